@@ -1,0 +1,27 @@
+"""djax: the DeepSeek model family (V4, V3) and its inference engine as pure JAX functions."""
+
+from djax.checkpoint import CheckpointError, load_checkpoint
+from djax.config import PRESETS, ModelConfig, SamplingParams, preset
+from djax.generate import Batch, Generated, generate
+from djax.params import abstract_params, init_params
+from djax.step import decode, forward, init_state, prefill
+
+__version__ = "0.1.0"
+
+__all__ = [
+    "Batch",
+    "CheckpointError",
+    "Generated",
+    "ModelConfig",
+    "PRESETS",
+    "SamplingParams",
+    "abstract_params",
+    "decode",
+    "forward",
+    "generate",
+    "init_params",
+    "init_state",
+    "load_checkpoint",
+    "preset",
+    "prefill",
+]

@@ -1,0 +1,7 @@
+"""`python -m djax ...` runs the command line."""
+
+import sys
+
+from djax.cli import main
+
+sys.exit(main())

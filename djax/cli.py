@@ -1,0 +1,119 @@
+"""Command line: `djax generate` (also `python -m djax generate`)."""
+
+from __future__ import annotations
+
+import argparse
+import json
+import sys
+import time
+from pathlib import Path
+
+import jax
+import jax.numpy as jnp
+from tqdm import tqdm
+
+import djax
+from djax.sampling import sample
+
+
+def _load(args) -> tuple[djax.ModelConfig, dict, object | None]:
+    if args.checkpoint:
+        config, params = djax.load_checkpoint(args.checkpoint, dtype=args.dtype)
+        tok_path = Path(args.checkpoint) / "tokenizer.json"
+        tokenizer = None
+        if tok_path.exists():
+            from tokenizers import Tokenizer
+
+            tokenizer = Tokenizer.from_file(str(tok_path))
+        return config, params, tokenizer
+    config = djax.preset(args.preset)
+    if args.dtype:
+        config = config.replace(dtype=args.dtype)
+    print(f"no --checkpoint: random weights for preset {args.preset!r} (the output is noise)", file=sys.stderr)
+    return config, djax.init_params(config, jax.random.key(args.seed)), None
+
+
+def _encode(text: str, config, tokenizer) -> list[int]:
+    if tokenizer is not None:
+        return tokenizer.encode(text).ids
+    # No tokenizer: UTF-8 bytes as token ids, enough to drive a random-weight model.
+    return [b % config.vocab_size for b in text.encode()]
+
+
+def _decode(ids: list[int], tokenizer) -> str:
+    if tokenizer is not None:
+        return tokenizer.decode(ids)
+    return " ".join(map(str, ids))
+
+
+def cmd_generate(args) -> int:
+    config, params, tokenizer = _load(args)
+    if args.prompt_ids is not None:
+        prompt = [int(t) for t in args.prompt_ids.replace(",", " ").split()]
+    else:
+        prompt = _encode(args.prompt, config, tokenizer)
+    sampling = djax.SamplingParams(args.temperature, args.top_k, args.top_p, ignore_eos=args.ignore_eos)
+    batch = djax.Batch.from_lists([prompt], seeds=args.seed)
+    from djax.generate import validate
+
+    validate(batch, config, args.max_new_tokens)
+    max_len = batch.tokens.shape[1] + args.max_new_tokens
+    t0 = time.perf_counter()
+    logits, state = djax.prefill(params, batch.tokens, batch.lengths, config, max_len)
+    out: list[int] = []
+    tok = sample(logits, batch.seeds, jnp.int32(0), sampling)
+    eos = set() if args.ignore_eos else set(config.eos_ids)
+    bar = tqdm(total=args.max_new_tokens, desc="generating", unit="tok", file=sys.stderr)
+    t_first = None
+    for step in range(1, args.max_new_tokens + 1):
+        t = int(tok[0])
+        t_first = t_first or time.perf_counter()
+        out.append(t)
+        bar.update(1)
+        if t in eos or step == args.max_new_tokens:
+            break
+        logits, state = djax.decode(params, tok, state, config)
+        tok = sample(logits, batch.seeds, jnp.int32(step), sampling)
+    bar.close()
+    elapsed = time.perf_counter() - t0
+    result = {"prompt_tokens": len(prompt), "tokens": out, "text": _decode(out, tokenizer), "seconds": round(elapsed, 3)}
+    if args.json:
+        print(json.dumps(result))
+    else:
+        print(result["text"])
+        rate = (len(out) - 1) / max(time.perf_counter() - t_first, 1e-9) if len(out) > 1 else 0.0
+        print(f"[{len(out)} tokens in {elapsed:.2f} s, {rate:.1f} tok/s after the first]", file=sys.stderr)
+    return 0
+
+
+def build_parser() -> argparse.ArgumentParser:
+    ap = argparse.ArgumentParser(prog="djax", description="DeepSeek inference in JAX")
+    sub = ap.add_subparsers(dest="command", required=True)
+    g = sub.add_parser("generate", help="complete a prompt")
+    g.add_argument("--checkpoint", help="HF-format directory (config.json, *.safetensors, tokenizer.json)")
+    g.add_argument("--preset", default="tiny-v4", choices=sorted(djax.PRESETS), help="random-weight model when no checkpoint")
+    g.add_argument("--prompt", default="def fibonacci(n):", help="prompt text")
+    g.add_argument("--prompt-ids", help="prompt as token ids, e.g. '1 2 3' (overrides --prompt)")
+    g.add_argument("--max-new-tokens", type=int, default=32)
+    g.add_argument("--temperature", type=float, default=0.0)
+    g.add_argument("--top-k", type=int, default=0)
+    g.add_argument("--top-p", type=float, default=1.0)
+    g.add_argument("--seed", type=int, default=0)
+    g.add_argument("--ignore-eos", action="store_true")
+    g.add_argument("--dtype", choices=["float32", "bfloat16"], help="override the compute dtype")
+    g.add_argument("--json", action="store_true", help="print one JSON object")
+    g.set_defaults(func=cmd_generate)
+    return ap
+
+
+def main(argv: list[str] | None = None) -> int:
+    args = build_parser().parse_args(argv)
+    try:
+        return args.func(args)
+    except (ValueError, djax.CheckpointError, FileNotFoundError) as e:
+        print(f"djax: error: {e}", file=sys.stderr)
+        return 2
+
+
+if __name__ == "__main__":
+    sys.exit(main())

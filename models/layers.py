@@ -1,0 +1,98 @@
+"""Shared blocks of the DeepSeek family: RMS norm, linear, rotary embeddings (plain and YaRN), SwiGLU MLP."""
+
+from __future__ import annotations
+
+import math
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+
+from djax.config import ModelConfig
+from djax.quant import dense
+
+
+def rms_norm(x: jax.Array, weight: jax.Array | None, eps: float) -> jax.Array:
+    """RMS norm computed in float32; the (float32) weight multiplies before the cast back, as DeepSeek does."""
+    xf = x.astype(jnp.float32)
+    y = xf * jax.lax.rsqrt(jnp.mean(xf * xf, axis=-1, keepdims=True) + eps)
+    if weight is not None:
+        y = weight.astype(jnp.float32) * y
+    return y.astype(x.dtype)
+
+
+def unit_rms_norm(x: jax.Array, eps: float) -> jax.Array:
+    """Weightless RMS norm whose scale is computed in float32 but applied in x's dtype."""
+    scale = jax.lax.rsqrt(jnp.mean(jnp.square(x.astype(jnp.float32)), axis=-1, keepdims=True) + eps)
+    return x * scale.astype(x.dtype)
+
+
+def linear(x: jax.Array, w: jax.Array) -> jax.Array:
+    """x @ w.T with w in torch layout [out, in]."""
+    return jnp.einsum("...i,oi->...o", x, dense(w, x.dtype))
+
+
+# ---- rotary embeddings ---------------------------------------------------------------------------
+def rope_inv_freq(dim: int, theta: float, cfg: ModelConfig | None = None, yarn: bool = False) -> np.ndarray:
+    """Inverse frequencies [dim // 2] (float32). With `yarn`, YaRN's ramp between interpolation and extrapolation."""
+    pos_freqs = theta ** (np.arange(0, dim, 2, dtype=np.float32) / dim)
+    inv = (1.0 / pos_freqs).astype(np.float32)
+    if not yarn or cfg is None or cfg.rope_factor <= 1.0:
+        return inv
+    factor, orig = cfg.rope_factor, cfg.original_max_position_embeddings
+
+    def correction_dim(rot):
+        return dim * math.log(orig / (rot * 2 * math.pi)) / (2 * math.log(theta))
+
+    low = max(math.floor(correction_dim(cfg.beta_fast)), 0)
+    high = min(math.ceil(correction_dim(cfg.beta_slow)), dim - 1)
+    if low == high:
+        high += 0.001
+    ramp = np.clip((np.arange(dim // 2, dtype=np.float32) - low) / (high - low), 0, 1)
+    extrapolate = 1.0 - ramp
+    interp = (1.0 / (factor * pos_freqs)).astype(np.float32)
+    return (interp * (1 - extrapolate) + inv * extrapolate).astype(np.float32)
+
+
+def yarn_mscale(scale: float, mscale: float = 1.0) -> float:
+    return 1.0 if scale <= 1 else 0.1 * mscale * math.log(scale) + 1.0
+
+
+def rope_cos_sin(positions: jax.Array, inv_freq: np.ndarray, scale: float = 1.0) -> tuple[jax.Array, jax.Array]:
+    """cos, sin of shape positions.shape + [dim // 2], float32."""
+    freqs = positions.astype(jnp.float32)[..., None] * jnp.asarray(inv_freq)
+    return jnp.cos(freqs) * scale, jnp.sin(freqs) * scale
+
+
+def apply_rope_interleaved(x: jax.Array, cos: jax.Array, sin: jax.Array) -> jax.Array:
+    """Rotate the trailing 2 * cos.shape[-1] channels of x, pairing neighbours (x0, x1), (x2, x3), ...
+
+    x: [..., t, (h,) k]; cos/sin: [..., t, r/2] broadcast over any head axis between t and k
+    (pass them already expanded). Rotation is done in float32 and cast back to x.dtype.
+    """
+    r = 2 * cos.shape[-1]
+    nope, rope = x[..., :-r], x[..., -r:]
+    rf = rope.astype(jnp.float32).reshape(*rope.shape[:-1], r // 2, 2)
+    x0, x1 = rf[..., 0], rf[..., 1]
+    y = jnp.stack([x0 * cos - x1 * sin, x1 * cos + x0 * sin], axis=-1).reshape(rope.shape)
+    return jnp.concatenate([nope, y.astype(x.dtype)], axis=-1)
+
+
+def apply_rope_halves(x: jax.Array, cos: jax.Array, sin: jax.Array) -> jax.Array:
+    """Rotate the trailing 2 * cos.shape[-1] channels of x, pairing channel i with i + r/2 (GPT-NeoX style)."""
+    r = 2 * cos.shape[-1]
+    nope, rope = x[..., :-r], x[..., -r:]
+    rf = rope.astype(jnp.float32)
+    x0, x1 = rf[..., : r // 2], rf[..., r // 2 :]
+    y = jnp.concatenate([x0 * cos - x1 * sin, x1 * cos + x0 * sin], axis=-1)
+    return jnp.concatenate([nope, y.astype(x.dtype)], axis=-1)
+
+
+# ---- MLP -------------------------------------------------------------------------------------------
+def swiglu(x: jax.Array, w1: jax.Array, w2: jax.Array, w3: jax.Array, limit: float = 0.0) -> jax.Array:
+    """w2(silu(w1 x) * w3 x); with limit > 0 the gate is clamped above and the up branch on both sides."""
+    gate, up = linear(x, w1), linear(x, w3)
+    if limit > 0:
+        gate = jnp.minimum(gate, limit)
+        up = jnp.clip(up, -limit, limit)
+    return linear(jax.nn.silu(gate) * up, w2)

@@ -1,0 +1,106 @@
+"""Mixture of experts: routing (sqrtsoftplus / sigmoid / softmax scores, selection-only bias, hash tables,
+group-limited choice) and the routed experts as a sorted grouped GEMM, with a dense slow twin."""
+
+from __future__ import annotations
+
+import jax
+import jax.numpy as jnp
+
+from djax.config import ModelConfig
+from djax.quant import dense
+from djax.models.layers import linear, swiglu
+
+
+def _score(logits: jax.Array, func: str) -> jax.Array:
+    if func == "sqrtsoftplus":
+        return jnp.sqrt(jax.nn.softplus(logits))
+    if func == "sigmoid":
+        return jax.nn.sigmoid(logits)
+    if func == "softmax":
+        return jax.nn.softmax(logits, axis=-1)
+    raise ValueError(f"unknown scoring_func {func!r}")
+
+
+def route(
+    x: jax.Array,
+    gate: dict,
+    cfg: ModelConfig,
+    token_ids: jax.Array | None = None,
+) -> tuple[jax.Array, jax.Array]:
+    """Pick experts per token. x: [n, d]. Returns weights f32[n, k] and expert ids int32[n, k].
+
+    The bias (`gate['bias']`) only steers the choice; weights come from the unbiased scores. Hash
+    layers (`gate['tid2eid']`, int[vocab, k]) take the choice from the token id instead.
+    """
+    logits = linear(x, gate["weight"]).astype(jnp.float32)  # f32[n, e]
+    scores = _score(logits, cfg.scoring_func)
+    k = cfg.num_experts_per_tok
+    if "tid2eid" in gate:
+        if token_ids is None:
+            raise ValueError("hash-routed MoE layers need the token ids")
+        idx = gate["tid2eid"][token_ids].astype(jnp.int32)
+    else:
+        choice = scores + gate["bias"].astype(jnp.float32) if "bias" in gate else scores
+        if cfg.model_type == "deepseek_v3" and cfg.n_group > 1:
+            n, e = choice.shape
+            grouped = choice.reshape(n, cfg.n_group, e // cfg.n_group)
+            group_score = jax.lax.top_k(grouped, 2)[0].sum(-1)  # [n, groups]
+            _, keep = jax.lax.top_k(group_score, cfg.topk_group)
+            group_mask = jnp.zeros((n, cfg.n_group), bool).at[jnp.arange(n)[:, None], keep].set(True)
+            choice = jnp.where(jnp.repeat(group_mask, e // cfg.n_group, axis=1), choice, -jnp.inf)
+        _, idx = jax.lax.top_k(choice, k)
+    weights = jnp.take_along_axis(scores, idx, axis=-1)
+    if cfg.is_v4 or cfg.norm_topk_prob:
+        weights = weights / (weights.sum(-1, keepdims=True) + 1e-20)
+    return weights * cfg.routed_scaling_factor, idx
+
+
+def experts_grouped(x, weights, idx, w1, w2, w3, limit: float) -> jax.Array:
+    """Routed experts as one grouped GEMM over token copies sorted by expert.
+
+    x: [n, d]; weights f32[n, k]; idx int32[n, k]; w1, w3: [e, f, d]; w2: [e, d, f]. Returns [n, d].
+    """
+    n, d = x.shape
+    e, k = w1.shape[0], idx.shape[1]
+    flat = idx.reshape(-1)
+    order = jnp.argsort(flat, stable=True)
+    tok = order // k
+    xs = x[tok]  # [n*k, d], expert-contiguous
+    sizes = jnp.bincount(flat, length=e).astype(jnp.int32)
+    gate = jax.lax.ragged_dot(xs, jnp.swapaxes(dense(w1, x.dtype), 1, 2), sizes)
+    up = jax.lax.ragged_dot(xs, jnp.swapaxes(dense(w3, x.dtype), 1, 2), sizes)
+    if limit > 0:
+        gate = jnp.minimum(gate, limit)
+        up = jnp.clip(up, -limit, limit)
+    h = jax.nn.silu(gate) * up
+    out = jax.lax.ragged_dot(h, jnp.swapaxes(dense(w2, x.dtype), 1, 2), sizes)  # [n*k, d]
+    out = out * weights.reshape(-1)[order][:, None].astype(out.dtype)
+    return jnp.zeros((n, d), out.dtype).at[tok].add(out)
+
+
+def experts_dense(x, weights, idx, w1, w2, w3, limit: float) -> jax.Array:
+    """Slow twin of `experts_grouped`: every expert on every token, masked by the routing."""
+    e = w1.shape[0]
+    combine = jnp.zeros((x.shape[0], e), jnp.float32).at[jnp.arange(x.shape[0])[:, None], idx].add(weights)
+
+    def one(acc, ei):
+        y = swiglu(x, w1[ei], w2[ei], w3[ei], limit)
+        return acc + y * combine[:, ei, None].astype(y.dtype), None
+
+    out, _ = jax.lax.scan(one, jnp.zeros_like(x), jnp.arange(e))
+    return out
+
+
+def moe(x: jax.Array, p: dict, cfg: ModelConfig, token_ids: jax.Array | None, impl: str = "grouped") -> jax.Array:
+    """Routed experts plus the shared expert. x: [..., d]; token_ids: int[...] (hash layers)."""
+    shape = x.shape
+    flat = x.reshape(-1, shape[-1])
+    ids = None if token_ids is None else token_ids.reshape(-1)
+    weights, idx = route(flat, p["gate"], cfg, ids)
+    ex = p["experts"]
+    run = experts_grouped if impl == "grouped" else experts_dense
+    limit = cfg.swiglu_limit if cfg.is_v4 else 0.0
+    routed = run(flat, weights, idx, ex["w1"], ex["w2"], ex["w3"], limit)
+    sh = p["shared_experts"]
+    shared = swiglu(flat, sh["w1"]["weight"], sh["w2"]["weight"], sh["w3"]["weight"], limit)
+    return (routed + shared).reshape(shape)
