@@ -4,12 +4,19 @@ from djax.checkpoint import CheckpointError, load_checkpoint
 from djax.config import PRESETS, ModelConfig, SamplingParams, preset
 from djax.generate import Batch, Generated, generate
 from djax.params import abstract_params, init_params
+from djax.sharding import DEFAULT_RULES, ShardingRules, constrain, make_mesh, param_shardings, shard_params
 from djax.step import decode, forward, init_state, prefill
 
 __version__ = "0.1.0"
 
 __all__ = [
     "Batch",
+    "DEFAULT_RULES",
+    "ShardingRules",
+    "constrain",
+    "make_mesh",
+    "param_shardings",
+    "shard_params",
     "CheckpointError",
     "Generated",
     "ModelConfig",

@@ -29,7 +29,9 @@ def _load(args) -> tuple[djax.ModelConfig, dict, object | None]:
     config = djax.preset(args.preset)
     if args.dtype:
         config = config.replace(dtype=args.dtype)
-    print(f"no --checkpoint: random weights for preset {args.preset!r} (the output is noise)", file=sys.stderr)
+    print(
+        f"no --checkpoint: random weights for preset {args.preset!r} (the output is noise)", file=sys.stderr
+    )
     return config, djax.init_params(config, jax.random.key(args.seed)), None
 
 
@@ -76,7 +78,12 @@ def cmd_generate(args) -> int:
         tok = sample(logits, batch.seeds, jnp.int32(step), sampling)
     bar.close()
     elapsed = time.perf_counter() - t0
-    result = {"prompt_tokens": len(prompt), "tokens": out, "text": _decode(out, tokenizer), "seconds": round(elapsed, 3)}
+    result = {
+        "prompt_tokens": len(prompt),
+        "tokens": out,
+        "text": _decode(out, tokenizer),
+        "seconds": round(elapsed, 3),
+    }
     if args.json:
         print(json.dumps(result))
     else:
@@ -91,7 +98,12 @@ def build_parser() -> argparse.ArgumentParser:
     sub = ap.add_subparsers(dest="command", required=True)
     g = sub.add_parser("generate", help="complete a prompt")
     g.add_argument("--checkpoint", help="HF-format directory (config.json, *.safetensors, tokenizer.json)")
-    g.add_argument("--preset", default="tiny-v4", choices=sorted(djax.PRESETS), help="random-weight model when no checkpoint")
+    g.add_argument(
+        "--preset",
+        default="tiny-v4",
+        choices=sorted(djax.PRESETS),
+        help="random-weight model when no checkpoint",
+    )
     g.add_argument("--prompt", default="def fibonacci(n):", help="prompt text")
     g.add_argument("--prompt-ids", help="prompt as token ids, e.g. '1 2 3' (overrides --prompt)")
     g.add_argument("--max-new-tokens", type=int, default=32)

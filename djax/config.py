@@ -175,19 +175,43 @@ class ModelConfig:
             if len(hca) > 1:
                 raise ValueError(f"HF's layout holds one HCA ratio, this config has {hca}")
             d["compress_rates"] = {CSA: CSA_RATIO, HCA: hca[0] if hca else 128}
-            d["mlp_layer_types"] = ["hash_moe" if self.is_hash_layer(i) else "moe" for i in range(self.num_hidden_layers)]
+            d["mlp_layer_types"] = [
+                "hash_moe" if self.is_hash_layer(i) else "moe" for i in range(self.num_hidden_layers)
+            ]
             d["partial_rotary_factor"] = self.qk_rope_head_dim / self.head_dim
             if self.rope_factor > 1:
                 d["rope_scaling"] = rope
-            for k in ("kv_lora_rank", "qk_nope_head_dim", "v_head_dim", "intermediate_size",
-                      "first_k_dense_replace", "n_group", "topk_group", "mscale", "mscale_all_dim"):
+            for k in (
+                "kv_lora_rank",
+                "qk_nope_head_dim",
+                "v_head_dim",
+                "intermediate_size",
+                "first_k_dense_replace",
+                "n_group",
+                "topk_group",
+                "mscale",
+                "mscale_all_dim",
+            ):
                 d.pop(k)
         else:
             rope.update(mscale=self.mscale, mscale_all_dim=self.mscale_all_dim)
             d["rope_scaling"] = rope if self.rope_factor > 1 else None
-            for k in ("compress_ratios", "o_lora_rank", "o_groups", "sliding_window", "index_n_heads",
-                      "index_head_dim", "index_topk", "hc_mult", "hc_sinkhorn_iters", "hc_eps",
-                      "compress_rope_theta", "swiglu_limit", "num_hash_layers", "head_dim"):
+            for k in (
+                "compress_ratios",
+                "o_lora_rank",
+                "o_groups",
+                "sliding_window",
+                "index_n_heads",
+                "index_head_dim",
+                "index_topk",
+                "hc_mult",
+                "hc_sinkhorn_iters",
+                "hc_eps",
+                "compress_rope_theta",
+                "swiglu_limit",
+                "num_hash_layers",
+                "head_dim",
+            ):
                 d.pop(k)
             d["topk_method"] = "noaux_tc"
             d["num_key_value_heads"] = self.num_attention_heads
@@ -208,7 +232,9 @@ def _v4_layer_fields(cfg: dict, n: int) -> dict:
                 rates[key] = cfg[legacy]
         rates[SLIDING] = 0
         if rates.get(CSA, CSA_RATIO) != CSA_RATIO:
-            raise ValueError(f"CSA layers with compress rate {rates[CSA]} are not supported (only {CSA_RATIO})")
+            raise ValueError(
+                f"CSA layers with compress rate {rates[CSA]} are not supported (only {CSA_RATIO})"
+            )
         unknown = [t for t in cfg["layer_types"] if t not in rates]
         if unknown:
             raise ValueError(f"unknown layer_types {unknown}")
@@ -237,9 +263,13 @@ def _rope_fields(rope: dict | None) -> dict:
     if rtype == "default":
         return {"rope_factor": 1.0}
     out = {"rope_factor": float(rope.get("factor", 1.0))}
-    for src, dst in (("original_max_position_embeddings", "original_max_position_embeddings"),
-                     ("beta_fast", "beta_fast"), ("beta_slow", "beta_slow"),
-                     ("mscale", "mscale"), ("mscale_all_dim", "mscale_all_dim")):
+    for src, dst in (
+        ("original_max_position_embeddings", "original_max_position_embeddings"),
+        ("beta_fast", "beta_fast"),
+        ("beta_slow", "beta_slow"),
+        ("mscale", "mscale"),
+        ("mscale_all_dim", "mscale_all_dim"),
+    ):
         if rope.get(src) is not None:
             out[dst] = rope[src]
     return out

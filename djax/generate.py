@@ -2,9 +2,10 @@
 
 from __future__ import annotations
 
+import dataclasses
+from collections.abc import Sequence
 from dataclasses import dataclass, field
 from functools import partial
-from typing import Sequence
 
 import jax
 import jax.numpy as jnp
@@ -15,6 +16,20 @@ from djax.models import model_module
 from djax.sampling import sample
 
 PAD = -1  # written after a row has finished
+GREEDY = SamplingParams()
+
+
+def _seeds(seeds, n: int) -> np.ndarray:
+    """Per-row seeds as uint32[n] from None (all 0), one int (shared) or n ints, each in [0, 2**32)."""
+    arr = np.asarray(0 if seeds is None else seeds)
+    if arr.size and not np.issubdtype(arr.dtype, np.integer):
+        raise ValueError(f"seeds must be integers, got {arr.dtype}")
+    if arr.ndim > 1 or (arr.ndim == 1 and arr.shape[0] != n):
+        raise ValueError(f"seeds must be one integer or one per prompt ({n}); got shape {arr.shape}")
+    bad = arr[(arr < 0) | (arr > np.iinfo(np.uint32).max)]
+    if bad.size:
+        raise ValueError(f"seed {int(bad.reshape(-1)[0])} is outside [0, 2**32)")
+    return np.broadcast_to(arr.astype(np.uint32), (n,)).copy()
 
 
 @jax.tree_util.register_dataclass
@@ -37,23 +52,29 @@ class Batch:
         """Build from ragged token-id lists; the width is padded up to a multiple of `bucket` (or `pad_to`)."""
         if not len(prompts):
             raise ValueError("the batch has no prompts")
+        arrays = []
         for i, p in enumerate(prompts):
-            if len(p) == 0:
+            arr = np.asarray(p)
+            if arr.ndim != 1 or not (np.issubdtype(arr.dtype, np.integer) or arr.size == 0):
+                raise ValueError(f"prompt {i} must be a flat list of integer token ids")
+            if arr.size == 0:
                 raise ValueError(f"prompt {i} is empty")
-        longest = max(len(p) for p in prompts)
+            # Ids that do not fit int32 would wrap silently when stored; no vocabulary is that large.
+            bad = arr[(arr < 0) | (arr > np.iinfo(np.int32).max)]
+            if bad.size:
+                raise ValueError(f"prompt {i}: token id {int(bad[0])} is outside the vocabulary")
+            arrays.append(arr)
+        longest = max(a.size for a in arrays)
+        if pad_to is None and bucket < 1:
+            raise ValueError(f"bucket must be >= 1, got {bucket}")
         width = pad_to if pad_to is not None else -(-longest // bucket) * bucket
         if width < longest:
             raise ValueError(f"pad_to={pad_to} is shorter than the longest prompt ({longest} tokens)")
-        tokens = np.zeros((len(prompts), width), np.int32)
-        for i, p in enumerate(prompts):
-            arr = np.asarray(p)
-            if arr.ndim != 1 or not np.issubdtype(arr.dtype, np.integer):
-                raise ValueError(f"prompt {i} must be a flat list of integer token ids")
-            tokens[i, : len(p)] = arr
-        if seeds is None:
-            seeds = 0
-        seeds = np.broadcast_to(np.asarray(seeds, np.uint32), (len(prompts),)).copy()
-        lengths = np.array([len(p) for p in prompts], np.int32)
+        tokens = np.zeros((len(arrays), width), np.int32)
+        for i, arr in enumerate(arrays):
+            tokens[i, : arr.size] = arr
+        seeds = _seeds(seeds, len(arrays))
+        lengths = np.array([a.size for a in arrays], np.int32)
         return cls(jnp.asarray(tokens), jnp.asarray(lengths), jnp.asarray(seeds))
 
 
@@ -71,15 +92,36 @@ class Generated:
         return [toks[i, : n[i]].tolist() for i in range(toks.shape[0])]
 
 
+def _concrete(x) -> np.ndarray | None:
+    """x as a numpy array, or None while it is being traced (inside jit / vmap)."""
+    try:
+        return np.asarray(x)
+    except (jax.errors.TracerArrayConversionError, jax.errors.ConcretizationTypeError):
+        return None
+
+
 def validate(batch: Batch, config: ModelConfig, max_new_tokens: int, max_len: int | None = None) -> None:
-    """Raise ValueError naming the first problem of a concrete batch (skipped under tracing)."""
-    if max_new_tokens < 1:
-        raise ValueError(f"max_new_tokens must be >= 1, got {max_new_tokens}")
-    if isinstance(batch.tokens, jax.core.Tracer) or isinstance(batch.lengths, jax.core.Tracer):
+    """Raise ValueError naming the first problem of a concrete batch (the batch checks are skipped under tracing)."""
+    if (
+        isinstance(max_new_tokens, bool)
+        or not isinstance(max_new_tokens, (int, np.integer))
+        or max_new_tokens < 1
+    ):
+        raise ValueError(f"max_new_tokens must be an integer >= 1, got {max_new_tokens!r}")
+    if max_len is not None and max_len < 1:
+        raise ValueError(f"max_len must be >= 1, got {max_len}")
+    if batch.tokens.ndim != 2 or batch.lengths.shape != (batch.tokens.shape[0],):
+        raise ValueError(
+            f"batch tokens must be [b, t] with lengths [b]; got {batch.tokens.shape} and {batch.lengths.shape}"
+        )
+    if batch.seeds.shape != batch.lengths.shape:
+        raise ValueError(f"batch seeds must be [b] = {batch.lengths.shape}; got {batch.seeds.shape}")
+    for name, x in (("tokens", batch.tokens), ("lengths", batch.lengths), ("seeds", batch.seeds)):
+        if not jnp.issubdtype(x.dtype, jnp.integer):
+            raise ValueError(f"batch {name} must be integers, got {x.dtype}")
+    tokens, lengths = _concrete(batch.tokens), _concrete(batch.lengths)
+    if tokens is None or lengths is None:
         return
-    tokens, lengths = np.asarray(batch.tokens), np.asarray(batch.lengths)
-    if tokens.ndim != 2 or lengths.shape != (tokens.shape[0],):
-        raise ValueError(f"batch tokens must be [b, t] with lengths [b]; got {tokens.shape} and {lengths.shape}")
     limit = min(config.max_position_embeddings, max_len or config.max_position_embeddings)
     for i, n in enumerate(lengths):
         if n < 1:
@@ -88,22 +130,35 @@ def validate(batch: Batch, config: ModelConfig, max_new_tokens: int, max_len: in
             raise ValueError(f"prompt {i}: length {n} exceeds the batch width {tokens.shape[1]}")
         bad = tokens[i, :n][(tokens[i, :n] < 0) | (tokens[i, :n] >= config.vocab_size)]
         if bad.size:
-            raise ValueError(f"prompt {i}: token id {int(bad[0])} is outside the vocabulary [0, {config.vocab_size})")
+            raise ValueError(
+                f"prompt {i}: token id {int(bad[0])} is outside the vocabulary [0, {config.vocab_size})"
+            )
         if n + max_new_tokens > limit:
             raise ValueError(
                 f"prompt {i}: {n} prompt tokens + {max_new_tokens} new tokens exceed the context of {limit} tokens"
             )
 
 
+NO_EOS = -2  # fills the EOS table where there is none: matches neither a sampled id nor PAD
+
+
+def _eos_table(ids: Sequence[int]) -> np.ndarray:
+    """EOS ids as int32[8k], padded with NO_EOS so that configs with up to 8k ids share one compiled program."""
+    ids = [int(i) for i in ids]
+    table = np.full((max(8, -(-len(ids) // 8) * 8),), NO_EOS, np.int32)
+    table[: len(ids)] = ids
+    return table
+
+
 @partial(jax.jit, static_argnames=("config", "sampling", "max_new_tokens", "max_len", "moe_impl"))
-def _generate(params, batch: Batch, config, sampling, max_new_tokens, max_len, moe_impl):
+def _generate(params, batch: Batch, eos, config, sampling, max_new_tokens, max_len, moe_impl):
+    """eos: int32[e] (NO_EOS-padded) is an argument, not part of the static config, so EOS settings reuse the program."""
     model = model_module(config)
     b = batch.tokens.shape[0]
     logits, state = model.prefill(params, batch.tokens, batch.lengths, config, max_len, moe_impl=moe_impl)
-    eos = jnp.asarray(config.eos_ids if not sampling.ignore_eos else (), jnp.int32)
 
     def is_eos(tok):
-        return jnp.isin(tok, eos) if eos.size else jnp.zeros_like(tok, bool)
+        return jnp.any(tok[:, None] == eos[None, :], axis=-1)
 
     tok = sample(logits, batch.seeds, jnp.int32(0), sampling)
     out = jnp.full((b, max_new_tokens), PAD, jnp.int32).at[:, 0].set(tok)
@@ -116,7 +171,8 @@ def _generate(params, batch: Batch, config, sampling, max_new_tokens, max_len, m
 
     def body(carry):
         step, tok, state, out, done, count = carry
-        logits, state = model.decode_step(params, tok, state, config, moe_impl=moe_impl)
+        # A finished row keeps decoding (its output is masked) on a valid id, never on PAD.
+        logits, state = model.decode_step(params, jnp.where(done, 0, tok), state, config, moe_impl=moe_impl)
         nxt = sample(logits, batch.seeds, step, sampling)
         nxt = jnp.where(done, PAD, nxt)
         out = out.at[:, step].set(nxt)
@@ -133,7 +189,7 @@ def generate(
     params,
     batch: Batch,
     config: ModelConfig,
-    sampling: SamplingParams = SamplingParams(),
+    sampling: SamplingParams = GREEDY,
     max_new_tokens: int = 32,
     *,
     max_len: int | None = None,
@@ -148,6 +204,15 @@ def generate(
     """
     if not isinstance(batch, Batch):
         batch = Batch.from_lists(batch)
+    if not isinstance(sampling, SamplingParams):
+        raise TypeError(f"sampling must be a djax.SamplingParams, got {type(sampling).__name__}")
     validate(batch, config, max_new_tokens, max_len)
     max_len = max_len or batch.tokens.shape[1] + max_new_tokens
-    return _generate(params, batch, config, sampling, max_new_tokens, max_len, moe_impl)
+    eos = _eos_table(() if sampling.ignore_eos else config.eos_ids)
+    # EOS handling is data (`eos`), so the static config and sampling drop it: one compiled program serves
+    # every EOS setting and ignore_eos alike.
+    config = config.replace(eos_token_id=())
+    sampling = dataclasses.replace(sampling, ignore_eos=False)
+    return _generate(
+        params, batch, jnp.asarray(eos), config, sampling, int(max_new_tokens), max_len, moe_impl
+    )

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import functools
 from dataclasses import dataclass
 from typing import Any
 
@@ -51,9 +52,14 @@ def abstract_params(config: ModelConfig, shardings: Any = None) -> dict:
     """`jax.ShapeDtypeStruct` for every weight, without allocating anything (works for the 671B V3)."""
     decl = declare(config)
     if shardings is None:
-        return jax.tree.map(lambda p: jax.ShapeDtypeStruct(p.shape, _dtype(p, config)), decl, is_leaf=is_param)
+        return jax.tree.map(
+            lambda p: jax.ShapeDtypeStruct(p.shape, _dtype(p, config)), decl, is_leaf=is_param
+        )
     return jax.tree.map(
-        lambda p, s: jax.ShapeDtypeStruct(p.shape, _dtype(p, config), sharding=s), decl, shardings, is_leaf=is_param
+        lambda p, s: jax.ShapeDtypeStruct(p.shape, _dtype(p, config), sharding=s),
+        decl,
+        shardings,
+        is_leaf=is_param,
     )
 
 
@@ -72,15 +78,21 @@ def _init_one(p: Param, key, config: ModelConfig):
     return (std * jax.random.normal(key, p.shape, jnp.float32)).astype(dtype)
 
 
+@functools.cache
+def _init_fn(p: Param, config: ModelConfig, sharding: Any):
+    # One compiled initializer per distinct declaration: the layers of a model repeat a few shapes.
+    return jax.jit(lambda k: _init_one(p, k, config), out_shardings=sharding)
+
+
 def init_params(config: ModelConfig, key: jax.Array, shardings: Any = None) -> dict:
-    """Random weights from the declaration (each leaf gets its own folded key; jit-compiled per leaf)."""
+    """Random weights from the declaration, each leaf from its own folded key (optionally placed with shardings)."""
     decl = declare(config)
     leaves, treedef = jax.tree.flatten(decl, is_leaf=is_param)
     shard_leaves = jax.tree.leaves(shardings) if shardings is not None else [None] * len(leaves)
-    out = []
-    for i, (p, s) in enumerate(zip(leaves, shard_leaves, strict=True)):
-        fn = jax.jit(lambda k, p=p: _init_one(p, k, config), out_shardings=s)
-        out.append(fn(jax.random.fold_in(key, i)))
+    out = [
+        _init_fn(p, config, s)(jax.random.fold_in(key, i))
+        for i, (p, s) in enumerate(zip(leaves, shard_leaves, strict=True))
+    ]
     return jax.tree.unflatten(treedef, out)
 
 

@@ -14,8 +14,14 @@ def row_keys(seeds: jax.Array, step: jax.Array) -> jax.Array:
 
 
 def filter_logits(logits: jax.Array, sampling: SamplingParams) -> jax.Array:
-    """Scale by temperature and set everything outside top-k / the top-p nucleus to -inf. f32[b, v]."""
-    x = logits.astype(jnp.float32) / sampling.temperature
+    """Scale by temperature and set everything outside top-k / the top-p nucleus to -inf. f32[b, v].
+
+    Top-p applies after top-k, to the renormalised survivors; the most likely token always survives.
+    Temperature 0 (greedy) leaves the scale alone.
+    """
+    x = logits.astype(jnp.float32)
+    if sampling.temperature > 0:
+        x = x / sampling.temperature
     if sampling.top_k and sampling.top_k < x.shape[-1]:
         kth = jax.lax.top_k(x, sampling.top_k)[0][..., -1:]
         x = jnp.where(x < kth, -jnp.inf, x)

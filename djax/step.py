@@ -17,7 +17,14 @@ def forward(params, tokens: jax.Array, config: ModelConfig, moe_impl: str = "gro
 
 
 @partial(jax.jit, static_argnames=("config", "max_len", "moe_impl"))
-def prefill(params, tokens: jax.Array, lengths: jax.Array, config: ModelConfig, max_len: int, moe_impl: str = "grouped"):
+def prefill(
+    params,
+    tokens: jax.Array,
+    lengths: jax.Array,
+    config: ModelConfig,
+    max_len: int,
+    moe_impl: str = "grouped",
+):
     """Right-padded prompts tokens int[b, t] with lengths int[b] -> (logits f32[b, vocab] at each row's last token, state)."""
     return model_module(config).prefill(params, tokens, lengths, config, max_len, moe_impl=moe_impl)
 

@@ -15,7 +15,14 @@ import jax.numpy as jnp
 import numpy as np
 
 from djax.config import CSA, SLIDING, ModelConfig
-from djax.models.layers import apply_rope_interleaved, linear, rms_norm, rope_cos_sin, rope_inv_freq, unit_rms_norm
+from djax.models.layers import (
+    apply_rope_interleaved,
+    linear,
+    rms_norm,
+    rope_cos_sin,
+    rope_inv_freq,
+    unit_rms_norm,
+)
 from djax.models.mhc import hc_head, hc_post, hc_pre
 from djax.models.moe import moe
 from djax.params import Param
@@ -73,7 +80,9 @@ def _ffn(cfg: ModelConfig, hashed: bool) -> dict:
     d, f, e = cfg.hidden_size, cfg.moe_intermediate_size, cfg.n_routed_experts
     gate = {"weight": Param((e, d), ("experts_r", "embed"))}
     if hashed:
-        gate["tid2eid"] = Param((cfg.vocab_size, cfg.num_experts_per_tok), ("vocab", None), "int32", "hash", e)
+        gate["tid2eid"] = Param(
+            (cfg.vocab_size, cfg.num_experts_per_tok), ("vocab", None), "int32", "hash", e
+        )
     else:
         gate["bias"] = Param((e,), (None,), "float32", "uniform")
     fs = f * cfg.n_shared_experts
@@ -84,7 +93,11 @@ def _ffn(cfg: ModelConfig, hashed: bool) -> dict:
             "w2": Param((e, d, f), ("experts", "embed", "expert_mlp")),
             "w3": Param((e, f, d), ("experts", "expert_mlp", "embed")),
         },
-        "shared_experts": {"w1": _w(fs, d, "mlp", "embed"), "w2": _w(d, fs, "embed", "mlp"), "w3": _w(fs, d, "mlp", "embed")},
+        "shared_experts": {
+            "w1": _w(fs, d, "mlp", "embed"),
+            "w2": _w(d, fs, "embed", "mlp"),
+            "w3": _w(fs, d, "mlp", "embed"),
+        },
     }
 
 
@@ -158,7 +171,9 @@ def _rope(cfg: ModelConfig, layer_type: str) -> np.ndarray:
     return rope_inv_freq(cfg.qk_rope_head_dim, cfg.compress_rope_theta, cfg, yarn=True)
 
 
-def _rotate(x: jax.Array, pos: jax.Array, inv_freq: np.ndarray, heads: bool, inverse: bool = False) -> jax.Array:
+def _rotate(
+    x: jax.Array, pos: jax.Array, inv_freq: np.ndarray, heads: bool, inverse: bool = False
+) -> jax.Array:
     """Rope on the trailing rope dims of x at integer positions `pos` (x: [..., (h,) k], pos: x.shape[:-1 or -2])."""
     cos, sin = rope_cos_sin(pos, inv_freq)
     if inverse:
@@ -168,6 +183,28 @@ def _rotate(x: jax.Array, pos: jax.Array, inv_freq: np.ndarray, heads: bool, inv
     return apply_rope_interleaved(x, cos.astype(x.dtype).astype(F32), sin.astype(x.dtype).astype(F32))
 
 
+# ---- positions held by rings ------------------------------------------------------------------------------
+def ordered_ring(ring: jax.Array, start: jax.Array) -> jax.Array:
+    """A ring [b, R, ...] (slot = position % R) as the R positions start .. start + R - 1 in order."""
+    r = ring.shape[1]
+    slots = jnp.mod(start[:, None] + jnp.arange(r), r)
+    return jnp.take_along_axis(ring, slots.reshape(*slots.shape, *([1] * (ring.ndim - 2))), axis=1)
+
+
+def refill_ring(seq: jax.Array, first: jax.Array, size: int) -> jax.Array:
+    """The ring of `size` slots holding seq[:, first : first + size] (seq position index + offset = slot order)."""
+    idx = first[:, None] + jnp.arange(size)  # [b, size], indices into seq
+    rows = jnp.take_along_axis(seq, jnp.clip(idx, 0, seq.shape[1] - 1)[..., None], axis=1)
+    return rows
+
+
+def _place_ring(rows: jax.Array, first_pos: jax.Array) -> jax.Array:
+    """Put rows [b, R, c] holding positions first_pos .. first_pos + R - 1 into their slots (position % R)."""
+    r = rows.shape[1]
+    slots = jnp.mod(first_pos[:, None] + jnp.arange(r), r)
+    return jnp.zeros_like(rows).at[jnp.arange(rows.shape[0])[:, None], slots].set(rows)
+
+
 # ---- compressor: softmax-gated pooling of windows ---------------------------------------------------------
 def pool_windows(kv: jax.Array, gate: jax.Array, norm_w: jax.Array, eps: float) -> jax.Array:
     """One compressed entry per window. kv: [..., L, k]; gate: f32[..., L, k] (ape added, -inf = absent)."""
@@ -175,48 +212,49 @@ def pool_windows(kv: jax.Array, gate: jax.Array, norm_w: jax.Array, eps: float) 
     return rms_norm(jnp.sum(kv * wts, axis=-2), norm_w, eps)
 
 
-def compress_sequence(x: jax.Array, p: dict, cfg: ModelConfig, ratio: int, overlap: bool, width: int):
-    """Compressed entries for every complete window of x [b, t, d]: [b, t // ratio, width], roped at w * ratio.
+def compressor_extend(
+    p: dict, x, st: dict, names, pos0, valid, cfg: ModelConfig, ratio: int, overlap: bool, width: int
+):
+    """Feed the chunk x [b, c, d] (positions pos0 + j, the first `valid` real) to one compressor.
 
-    Also returns the raw projections (kv, gate) [b, t, c * width] that the decoder state keeps.
+    The compressor's ring keeps the raw projections of the last R positions (R = 2 ratio with
+    overlap, else ratio): enough to close any window that ends inside the chunk. Entry w pools
+    window w (and, with overlap, window w - 1's first half-projection) and is written to the pool
+    once position (w + 1) ratio - 1 has been seen. Updates st in place (a dict copy).
     """
-    b, t, _ = x.shape
-    kv_all = linear(x, p["wkv"]["weight"])
-    gate_all = linear(x, p["wgate"]["weight"])
-    n = t // ratio
-    c = kv_all.shape[-1]
-    kv = kv_all[:, : n * ratio].reshape(b, n, ratio, c)
-    gate = gate_all[:, : n * ratio].reshape(b, n, ratio, c).astype(F32) + p["ape"]
+    pool_k, kv_k, gate_k = names
+    b, c, _ = x.shape
+    ring = st[kv_k].shape[1]
+    m = ratio
+    raw_kv = linear(x, p["wkv"]["weight"]).astype(st[kv_k].dtype)
+    raw_gate = linear(x, p["wgate"]["weight"]).astype(st[gate_k].dtype)
+    start = pos0 - ring  # position of combined index 0
+    comb_kv = jnp.concatenate([ordered_ring(st[kv_k], start), raw_kv], axis=1)  # [b, R + c, C]
+    comb_gate = jnp.concatenate([ordered_ring(st[gate_k], start), raw_gate], axis=1)
+    nw = -(-c // m) + 1  # windows that can close inside this chunk
+    w = pos0[:, None] // m + jnp.arange(nw)  # [b, nw]
+    cur = (w * m - start[:, None])[..., None] + jnp.arange(m)  # [b, nw, m] combined indices
+
+    def take(a, idx):
+        flat = jnp.clip(idx, 0, a.shape[1] - 1).reshape(b, -1)
+        return jnp.take_along_axis(a, flat[..., None], axis=1).reshape(*idx.shape, a.shape[-1])
+
+    kv, gate = take(comb_kv, cur), take(comb_gate, cur).astype(F32) + p["ape"]
     if overlap:
-        # Entry w pools window w-1's first half-projection with window w's second one.
-        shift = ((0, 0), (1, 0), (0, 0), (0, 0))
-        prev_kv = jnp.pad(kv[..., :width], shift)[:, :n]
-        prev_gate = jnp.pad(gate[..., :width], shift, constant_values=NEG_INF)[:, :n]
-        kv = jnp.concatenate([prev_kv, kv[..., width:]], axis=2)
+        prev_kv, prev_gate = take(comb_kv, cur - m), take(comb_gate, cur - m).astype(F32) + p["ape"]
+        prev_gate = jnp.where((w > 0)[..., None, None], prev_gate[..., :width], NEG_INF)
+        kv = jnp.concatenate([prev_kv[..., :width], kv[..., width:]], axis=2)
         gate = jnp.concatenate([prev_gate, gate[..., width:]], axis=2)
-    entries = pool_windows(kv, gate, p["norm"]["weight"], cfg.rms_norm_eps)  # [b, n, width]
-    pos = jnp.broadcast_to(jnp.arange(n) * ratio, (b, n))
-    entries = _rotate(entries, pos, _rope(cfg, CSA), heads=False)
-    return entries, kv_all, gate_all
-
-
-def compress_from_ring(ring_kv, ring_gate, p: dict, cfg: ModelConfig, ratio: int, overlap: bool, width: int, w):
-    """The entry of window w [b] from the raw-projection ring ([b, 2 ratio or ratio, c * width], slot = pos % len)."""
-    b = ring_kv.shape[0]
-    gate = ring_gate.astype(F32)
-    if overlap:
-        cur = (w % 2)[:, None] * ratio + jnp.arange(ratio)  # [b, ratio] slots of window w
-        prev = ((w + 1) % 2)[:, None] * ratio + jnp.arange(ratio)
-        take = jax.vmap(lambda a, i: a[i])
-        kv = jnp.concatenate([take(ring_kv, prev)[..., :width], take(ring_kv, cur)[..., width:]], axis=1)
-        g_prev = take(gate, prev)[..., :width] + p["ape"][:, :width]
-        g_prev = jnp.where((w > 0)[:, None, None], g_prev, NEG_INF)
-        g = jnp.concatenate([g_prev, take(gate, cur)[..., width:] + p["ape"][:, width:]], axis=1)
-    else:
-        kv, g = ring_kv, gate + p["ape"]
-    entry = pool_windows(kv, g, p["norm"]["weight"], cfg.rms_norm_eps)  # [b, width]
-    del b
-    return _rotate(entry, w * ratio, _rope(cfg, CSA), heads=False)
+    entries = pool_windows(kv, gate, p["norm"]["weight"], cfg.rms_norm_eps)  # [b, nw, width]
+    entries = _rotate(entries, w * m, _rope(cfg, CSA), heads=False)
+    closes = (w + 1) * m <= (pos0 + valid)[:, None]
+    rows = jnp.arange(b)[:, None]
+    pool = st[pool_k]
+    target = jnp.where(closes, w, pool.shape[1])  # out of range: dropped
+    st[pool_k] = pool.at[rows, target].set(entries.astype(pool.dtype), mode="drop")
+    first = valid  # the new ring holds positions pos0 + valid - R .. pos0 + valid - 1
+    st[kv_k] = _place_ring(refill_ring(comb_kv, first, ring), pos0 + valid - ring)
+    st[gate_k] = _place_ring(refill_ring(comb_gate, first, ring), pos0 + valid - ring)
 
 
 # ---- lightning indexer ------------------------------------------------------------------------------
@@ -235,34 +273,7 @@ def _indexer_query(p: dict, x: jax.Array, q_res: jax.Array, pos: jax.Array, cfg:
     return q, linear(x, p["weights_proj"]["weight"])
 
 
-# ---- attention core -------------------------------------------------------------------------------------
-def _attend(q, keys, mask, sinks, scale):
-    """Shared K=V attention with per-head sinks. q: [b, t, h, k]; keys: [b, t, s, k]; mask: bool[b, t, s]."""
-    logits = jnp.einsum("bthk,btsk->bhts", q.astype(F32), keys.astype(F32)) * scale
-    logits = jnp.where(mask[:, None], logits, NEG_INF)
-    sink = jnp.broadcast_to(sinks.astype(F32)[None, :, None, None], (*logits.shape[:-1], 1))
-    full = jnp.concatenate([logits, sink], axis=-1)
-    probs = jax.nn.softmax(full, axis=-1)[..., :-1]
-    return jnp.einsum("bhts,btsk->bthk", probs, keys.astype(F32)).astype(q.dtype)
-
-
-def _attend_seq(q, kv, comp, win_mask, comp_mask, sinks, scale):
-    """Sequence form: kv [b, t, k] shared by all queries; comp [b, C, k]; masks bool[b, t, t] and [b, t, C]."""
-    ql = jnp.einsum("bthk,bsk->bhts", q.astype(F32), kv.astype(F32)) * scale
-    parts, masks, vals = [ql], [win_mask], [kv]
-    if comp is not None:
-        parts.append(jnp.einsum("bthk,bsk->bhts", q.astype(F32), comp.astype(F32)) * scale)
-        masks.append(comp_mask)
-        vals.append(comp)
-    logits = jnp.concatenate(parts, axis=-1)
-    mask = jnp.concatenate(masks, axis=-1)
-    logits = jnp.where(mask[:, None], logits, NEG_INF)
-    sink = jnp.broadcast_to(sinks.astype(F32)[None, :, None, None], (*logits.shape[:-1], 1))
-    probs = jax.nn.softmax(jnp.concatenate([logits, sink], axis=-1), axis=-1)[..., :-1]
-    values = jnp.concatenate(vals, axis=1).astype(F32)
-    return jnp.einsum("bhts,bsk->bthk", probs, values).astype(q.dtype)
-
-
+# ---- attention ----------------------------------------------------------------------------------------------
 def _q_kv(p: dict, x: jax.Array, pos: jax.Array, cfg: ModelConfig, inv_freq):
     h, k = cfg.num_attention_heads, cfg.head_dim
     q_res = rms_norm(linear(x, p["wq_a"]["weight"]), p["q_norm"]["weight"], cfg.rms_norm_eps)
@@ -283,88 +294,162 @@ def _output(p: dict, o: jax.Array, pos: jax.Array, cfg: ModelConfig, inv_freq) -
     return linear(y.reshape(*y.shape[:-2], -1), p["wo_b"]["weight"])
 
 
-def attention_sequence(p: dict, x: jax.Array, cfg: ModelConfig, layer: int):
-    """Attention over a whole sequence from position 0. x: [b, t, d]. Returns (out [b, t, d], cache material)."""
-    b, t, _ = x.shape
+def _softmax_with_sink(logits: jax.Array, sinks: jax.Array) -> jax.Array:
+    """Softmax over the last axis with one extra per-head sink logit in the denominator. logits f32[b, h, t, s]."""
+    sink = jnp.broadcast_to(sinks.astype(F32)[None, :, None, None], (*logits.shape[:-1], 1))
+    return jax.nn.softmax(jnp.concatenate([logits, sink], axis=-1), axis=-1)[..., :-1]
+
+
+def attention_extend(p: dict, x: jax.Array, st: dict, pos0, valid, cfg: ModelConfig, layer: int):
+    """Attention for a chunk x [b, c, d] at positions pos0[b] + j given the layer's decoder state.
+
+    Keys: the sliding window (ring of the previous `sliding_window` positions plus the chunk) and,
+    on compressed layers, the pool entries visible to each query (CSA: the indexer's top-k of them).
+    Only the first valid[b] chunk positions of a row are written to its state. Returns (out [b, c, d], state).
+    """
+    st = dict(st)
+    b, c, _ = x.shape
     ltype, ratio = cfg.layer_type(layer), cfg.compress_ratios[layer]
     inv_freq = _rope(cfg, ltype)
-    pos = jnp.broadcast_to(jnp.arange(t), (b, t))
-    q_res, q, kv = _q_kv(p, x, pos, cfg, inv_freq)
-    qi, ki = jnp.arange(t)[:, None], jnp.arange(t)[None, :]
-    win_mask = jnp.broadcast_to((ki <= qi) & (ki > qi - cfg.sliding_window), (b, t, t))
-    material = {"kv": kv}
-    comp, comp_mask = None, None
+    pos = pos0[:, None] + jnp.arange(c)  # [b, c]
+    q_res, q, kv = _q_kv(p, x, pos, cfg, inv_freq)  # q [b, c, h, k]; kv [b, c, k]
+    win = cfg.sliding_window
+    keys = jnp.concatenate([ordered_ring(st["window"], pos0 - win), kv.astype(st["window"].dtype)], axis=1)
+    kpos = pos0[:, None] - win + jnp.arange(win + c)  # [b, W + c]
+    dist = pos[:, :, None] - kpos[:, None, :]
+    win_mask = (dist >= 0) & (dist < win) & (kpos[:, None, :] >= 0)  # [b, c, W + c]
+    st["window"] = _place_ring(refill_ring(keys, valid, win), pos0 + valid - win)
+    scale = cfg.head_dim**-0.5
+    logits = [jnp.einsum("bthk,bsk->bhts", q.astype(F32), keys.astype(F32)) * scale]
+    masks, values = [win_mask], [keys]
     if ratio:
-        comp, raw_kv, raw_gate = compress_sequence(x, p["compressor"], cfg, ratio, ltype == CSA, cfg.head_dim)
-        material.update(comp=comp, raw_kv=raw_kv, raw_gate=raw_gate)
-        n = comp.shape[1]
-        visible = jnp.arange(n)[None, :] < ((jnp.arange(t) + 1) // ratio)[:, None]  # [t, C]
-        comp_mask = jnp.broadcast_to(visible, (b, t, n))
-        if ltype == CSA and n:
+        compressor_extend(
+            p["compressor"],
+            x,
+            st,
+            ("pool", "ring_kv", "ring_gate"),
+            pos0,
+            valid,
+            cfg,
+            ratio,
+            ltype == CSA,
+            cfg.head_dim,
+        )
+        pool = st["pool"]
+        cap = pool.shape[1]
+        visible = jnp.arange(cap)[None, None, :] < ((pos + 1) // ratio)[..., None]  # [b, c, cap]
+        if ltype == CSA:
             ip = p["indexer"]
-            keys, ikv, igate = compress_sequence(x, ip["compressor"], cfg, ratio, True, cfg.index_head_dim)
-            material.update(icomp=keys, iraw_kv=ikv, iraw_gate=igate)
+            compressor_extend(
+                ip["compressor"],
+                x,
+                st,
+                ("index_pool", "iring_kv", "iring_gate"),
+                pos0,
+                valid,
+                cfg,
+                ratio,
+                True,
+                cfg.index_head_dim,
+            )
             iq, iw = _indexer_query(ip, x, q_res, pos, cfg)
-            scores = jnp.where(comp_mask, index_scores(iq, keys, iw, cfg), NEG_INF)
-            k = min(cfg.index_topk, n)
-            _, top = jax.lax.top_k(scores, k)  # [b, t, k]
-            chosen = jnp.zeros((b, t, n), bool).at[jnp.arange(b)[:, None, None], jnp.arange(t)[None, :, None], top].set(True)
-            comp_mask = comp_mask & chosen
-        elif ltype == CSA:
-            material.update(icomp=jnp.zeros((b, 0, cfg.index_head_dim), x.dtype))
-            ikv = linear(x, p["indexer"]["compressor"]["wkv"]["weight"])
-            igate = linear(x, p["indexer"]["compressor"]["wgate"]["weight"])
-            material.update(iraw_kv=ikv, iraw_gate=igate)
-    o = _attend_seq(q, kv, comp, win_mask, comp_mask, p["attn_sink"], cfg.head_dim**-0.5)
-    return _output(p, o, pos, cfg, inv_freq), material
+            scores = jnp.where(visible, index_scores(iq, st["index_pool"], iw, cfg), NEG_INF)
+            _, top = jax.lax.top_k(scores, min(cfg.index_topk, cap))  # [b, c, k]
+            if c == 1:  # decode: read only the chosen entries
+                sel = jnp.take_along_axis(pool, top[:, 0, :, None], axis=1)  # [b, k, hd]
+                logits.append(jnp.einsum("bthk,bsk->bhts", q.astype(F32), sel.astype(F32)) * scale)
+                masks.append(jnp.take_along_axis(visible, top, axis=2))
+                values.append(sel)
+            else:
+                chosen = (
+                    jnp.zeros((b, c, cap), bool)
+                    .at[jnp.arange(b)[:, None, None], jnp.arange(c)[None, :, None], top]
+                    .set(True)
+                )
+                logits.append(jnp.einsum("bthk,bsk->bhts", q.astype(F32), pool.astype(F32)) * scale)
+                masks.append(visible & chosen)
+                values.append(pool)
+        else:
+            logits.append(jnp.einsum("bthk,bsk->bhts", q.astype(F32), pool.astype(F32)) * scale)
+            masks.append(visible)
+            values.append(pool)
+    mask = jnp.concatenate(masks, axis=-1)
+    probs = _softmax_with_sink(
+        jnp.where(mask[:, None], jnp.concatenate(logits, axis=-1), NEG_INF), p["attn_sink"]
+    )
+    o = jnp.einsum("bhts,bsk->bthk", probs, jnp.concatenate(values, axis=1).astype(F32)).astype(x.dtype)
+    return _output(p, o, pos, cfg, inv_freq), st
 
 
 # ---- the whole model -----------------------------------------------------------------------------------
 def _embed(params: dict, tokens: jax.Array, cfg: ModelConfig) -> jax.Array:
-    e = params["embed"]["weight"]
-    x = dense(e, jnp.dtype(cfg.dtype))[tokens]
+    x = dense(params["embed"]["weight"], jnp.dtype(cfg.dtype))[tokens]
     return jnp.broadcast_to(x[..., None, :], (*x.shape[:-1], cfg.hc_mult, x.shape[-1]))
 
 
 def _hc_args(lp: dict, prefix: str, cfg: ModelConfig):
-    return lp[f"{prefix}_fn"], lp[f"{prefix}_base"], lp[f"{prefix}_scale"], cfg.hc_sinkhorn_iters, cfg.hc_eps, cfg.rms_norm_eps
+    return (
+        lp[f"{prefix}_fn"],
+        lp[f"{prefix}_base"],
+        lp[f"{prefix}_scale"],
+        cfg.hc_sinkhorn_iters,
+        cfg.hc_eps,
+        cfg.rms_norm_eps,
+    )
 
 
-def _ffn_block(lp: dict, h: jax.Array, tokens: jax.Array, cfg: ModelConfig, moe_impl: str) -> jax.Array:
-    x, post, comb = hc_pre(h, *_hc_args(lp, "hc_ffn", cfg))
-    y = moe(rms_norm(x, lp["ffn_norm"]["weight"], cfg.rms_norm_eps), lp["ffn"], cfg, tokens, moe_impl)
-    return hc_post(y, h, post, comb)
-
-
-def _logits(params: dict, h: jax.Array, cfg: ModelConfig) -> jax.Array:
-    x = hc_head(h, params["hc_head_fn"], params["hc_head_base"], params["hc_head_scale"], cfg.hc_eps, cfg.rms_norm_eps)
+def logits_from_hidden(params: dict, h: jax.Array, cfg: ModelConfig) -> jax.Array:
+    """Collapse the streams h [..., n, d], final norm, head: f32[..., vocab]."""
+    x = hc_head(
+        h, params["hc_head_fn"], params["hc_head_base"], params["hc_head_scale"], cfg.hc_eps, cfg.rms_norm_eps
+    )
     x = rms_norm(x, params["norm"]["weight"], cfg.rms_norm_eps)
     return linear(x, params["head"]["weight"]).astype(F32)
 
 
-def hidden_sequence(params: dict, tokens: jax.Array, cfg: ModelConfig, moe_impl: str = "grouped"):
-    """Run every layer over tokens [b, t] from position 0. Returns (streams [b, t, n, d], per-layer material)."""
+def extend(
+    params: dict, tokens: jax.Array, state: dict, cfg: ModelConfig, valid=None, moe_impl: str = "grouped"
+):
+    """Feed a chunk tokens int[b, c] at positions state['lengths'] + j; the first valid[b] are real.
+
+    The one step function behind forward, prefill, chunked prefill and decode. Returns the last
+    layer's streams [b, c, n, d] and the state with lengths += valid (rows with valid 0 are untouched).
+    """
+    b, c = tokens.shape
+    valid = jnp.full((b,), c, jnp.int32) if valid is None else valid.astype(jnp.int32)
+    pos0 = state["lengths"]
     h = _embed(params, tokens, cfg)
-    materials = []
-    for i, lp in enumerate(params["layers"]):
+    new_layers = []
+    for i, (lp, st) in enumerate(zip(params["layers"], state["layers"])):
         with jax.named_scope(f"layer{i}"):
             x, post, comb = hc_pre(h, *_hc_args(lp, "hc_attn", cfg))
-            y, mat = attention_sequence(lp["attn"], rms_norm(x, lp["attn_norm"]["weight"], cfg.rms_norm_eps), cfg, i)
+            y, st = attention_extend(
+                lp["attn"], rms_norm(x, lp["attn_norm"]["weight"], cfg.rms_norm_eps), st, pos0, valid, cfg, i
+            )
             h = hc_post(y, h, post, comb)
-            h = _ffn_block(lp, h, tokens, cfg, moe_impl)
-            materials.append(mat)
-    return h, materials
+            x, post, comb = hc_pre(h, *_hc_args(lp, "hc_ffn", cfg))
+            y = moe(rms_norm(x, lp["ffn_norm"]["weight"], cfg.rms_norm_eps), lp["ffn"], cfg, tokens, moe_impl)
+            h = hc_post(y, h, post, comb)
+            new_layers.append(st)
+    return h, {"layers": new_layers, "lengths": pos0 + valid}
 
 
 def forward(params: dict, tokens: jax.Array, cfg: ModelConfig, moe_impl: str = "grouped") -> jax.Array:
-    """Teacher-forced logits f32[b, t, vocab] for tokens int[b, t] (no cache)."""
-    h, _ = hidden_sequence(params, tokens, cfg, moe_impl)
-    return _logits(params, h, cfg)
+    """Teacher-forced logits f32[b, t, vocab] for tokens int[b, t] from position 0 (a throwaway state)."""
+    b, t = tokens.shape
+    h, _ = extend(params, tokens, init_state(cfg, b, t), cfg, moe_impl=moe_impl)
+    return logits_from_hidden(params, h, cfg)
 
 
 # ---- decoder state ---------------------------------------------------------------------------------------
 def init_state(cfg: ModelConfig, batch: int, max_len: int) -> dict:
-    """Zeroed decoder state for `batch` rows of up to `max_len` tokens (see module docstring)."""
+    """Empty decoder state for `batch` rows of up to `max_len` tokens.
+
+    Per layer: "window" [b, sliding_window, k] ring of roped K=V rows (slot = position % window);
+    on compressed layers "pool" [b, ceil(max_len / m), k] of compressed entries and the pending
+    raw projections "ring_kv" / "ring_gate" [b, R, c k] (R = 2m for CSA, m for HCA); on CSA
+    layers the indexer's "index_pool" / "iring_kv" / "iring_gate" likewise. "lengths" int32[b].
+    """
     dt = jnp.dtype(cfg.dtype)
     k, ik = cfg.head_dim, cfg.index_head_dim
     layers = []
@@ -390,109 +475,20 @@ def init_state(cfg: ModelConfig, batch: int, max_len: int) -> dict:
     return {"layers": layers, "lengths": jnp.zeros((batch,), jnp.int32)}
 
 
-def _ring_gather(seq: jax.Array, lengths: jax.Array, size: int) -> jax.Array:
-    """Ring of `size` slots (slot = position % size) holding the last `size` positions < length of seq [b, t, c]."""
-    s = jnp.arange(size)
-    last = lengths[:, None] - 1
-    src = last - jnp.mod(last - s[None, :], size)  # [b, size]
-    src = jnp.clip(src, 0, seq.shape[1] - 1)
-    return jnp.take_along_axis(seq, src[..., None], axis=1)
-
-
-def _fill_pool(pool: jax.Array, entries: jax.Array) -> jax.Array:
-    n = min(entries.shape[1], pool.shape[1])
-    return pool.at[:, :n].set(entries[:, :n].astype(pool.dtype))
-
-
-def prefill(params: dict, tokens: jax.Array, lengths: jax.Array, cfg: ModelConfig, max_len: int, moe_impl="grouped"):
-    """Run right-padded prompts tokens [b, t] with true lengths [b]; return (last logits f32[b, v], state)."""
+def prefill(
+    params: dict, tokens: jax.Array, lengths: jax.Array, cfg: ModelConfig, max_len: int, moe_impl="grouped"
+):
+    """Right-padded prompts tokens [b, t] with true lengths [b] -> (logits f32[b, v] at each last token, state)."""
     b, t = tokens.shape
-    h, materials = hidden_sequence(params, tokens, cfg, moe_impl)
+    h, state = extend(params, tokens, init_state(cfg, b, max(max_len, t)), cfg, lengths, moe_impl)
     last = jnp.take_along_axis(h, (lengths - 1)[:, None, None, None], axis=1)[:, 0]
-    logits = _logits(params, last, cfg)
-    state = init_state(cfg, b, max(max_len, t))
-    for i, (st, mat) in enumerate(zip(state["layers"], materials)):
-        st["window"] = _ring_gather(mat["kv"], lengths, cfg.sliding_window).astype(st["window"].dtype)
-        if "pool" in st:
-            ring = st["ring_kv"].shape[1]
-            st["pool"] = _fill_pool(st["pool"], mat["comp"])
-            st["ring_kv"] = _ring_gather(mat["raw_kv"], lengths, ring).astype(st["ring_kv"].dtype)
-            st["ring_gate"] = _ring_gather(mat["raw_gate"], lengths, ring).astype(st["ring_gate"].dtype)
-        if "index_pool" in st:
-            st["index_pool"] = _fill_pool(st["index_pool"], mat["icomp"])
-            st["iring_kv"] = _ring_gather(mat["iraw_kv"], lengths, ring).astype(st["iring_kv"].dtype)
-            st["iring_gate"] = _ring_gather(mat["iraw_gate"], lengths, ring).astype(st["iring_gate"].dtype)
-        del i
-    state["lengths"] = lengths.astype(jnp.int32)
-    return logits, state
-
-
-def _set_row(buf: jax.Array, idx: jax.Array, val: jax.Array, when: jax.Array | None = None) -> jax.Array:
-    """buf[r, idx[r]] = val[r] for every row r (only where `when[r]`)."""
-    rows = jnp.arange(buf.shape[0])
-    if when is not None:
-        val = jnp.where(when[:, None], val.astype(buf.dtype), buf[rows, idx])
-    return buf.at[rows, idx].set(val.astype(buf.dtype))
-
-
-def _push_compressed(st: dict, keys: tuple[str, str, str], x, pos, p, cfg, ratio, overlap, width):
-    """Add token x [b, d] at pos [b] to a compressor's ring; close its window into the pool when it ends."""
-    pool_k, kv_k, gate_k = keys
-    ring = st[kv_k].shape[1]
-    slot = pos % ring
-    st[kv_k] = _set_row(st[kv_k], slot, linear(x, p["wkv"]["weight"]))
-    st[gate_k] = _set_row(st[gate_k], slot, linear(x, p["wgate"]["weight"]))
-    w = pos // ratio
-    entry = compress_from_ring(st[kv_k], st[gate_k], p, cfg, ratio, overlap, width, w)
-    closing = (pos + 1) % ratio == 0
-    st[pool_k] = _set_row(st[pool_k], jnp.minimum(w, st[pool_k].shape[1] - 1), entry, closing)
-
-
-def attention_decode(p: dict, x: jax.Array, st: dict, pos: jax.Array, cfg: ModelConfig, layer: int):
-    """One new token per row. x: [b, d]; pos: int[b] its position. Returns (out [b, d], updated layer state)."""
-    st = dict(st)
-    ltype, ratio = cfg.layer_type(layer), cfg.compress_ratios[layer]
-    inv_freq = _rope(cfg, ltype)
-    q_res, q, kv = _q_kv(p, x, pos, cfg, inv_freq)  # q: [b, h, k]; kv: [b, k]
-    w_size = cfg.sliding_window
-    st["window"] = _set_row(st["window"], pos % w_size, kv)
-    slots = jnp.arange(w_size)
-    held = pos[:, None] - jnp.mod(pos[:, None] - slots[None, :], w_size)  # position each slot holds
-    keys, mask = [st["window"]], [held >= 0]
-    if ratio:
-        _push_compressed(st, ("pool", "ring_kv", "ring_gate"), x, pos, p["compressor"], cfg, ratio, ltype == CSA, cfg.head_dim)
-        cap = st["pool"].shape[1]
-        visible = jnp.arange(cap)[None, :] < ((pos + 1) // ratio)[:, None]  # [b, cap]
-        if ltype == CSA:
-            ip = p["indexer"]
-            _push_compressed(st, ("index_pool", "iring_kv", "iring_gate"), x, pos, ip["compressor"], cfg, ratio, True,
-                             cfg.index_head_dim)
-            iq, iw = _indexer_query(ip, x[:, None], q_res[:, None], pos[:, None], cfg)
-            scores = jnp.where(visible, index_scores(iq, st["index_pool"], iw, cfg)[:, 0], NEG_INF)
-            _, top = jax.lax.top_k(scores, min(cfg.index_topk, cap))  # [b, k]
-            keys.append(jnp.take_along_axis(st["pool"], top[..., None], axis=1))
-            mask.append(jnp.take_along_axis(visible, top, axis=1))
-        else:
-            keys.append(st["pool"])
-            mask.append(visible)
-    allk = jnp.concatenate(keys, axis=1)[:, None]  # [b, 1, s, k]
-    o = _attend(q[:, None], allk, jnp.concatenate(mask, axis=1)[:, None], p["attn_sink"], cfg.head_dim**-0.5)
-    return _output(p, o[:, 0], pos, cfg, inv_freq), st
+    return logits_from_hidden(params, last, cfg), state
 
 
 def decode_step(params: dict, tokens: jax.Array, state: dict, cfg: ModelConfig, moe_impl: str = "grouped"):
     """Feed tokens int[b] at positions state['lengths']; return (logits f32[b, v], state with lengths + 1)."""
-    pos = state["lengths"]
-    h = _embed(params, tokens, cfg)  # [b, n, d]
-    new_layers = []
-    for i, (lp, st) in enumerate(zip(params["layers"], state["layers"])):
-        with jax.named_scope(f"layer{i}"):
-            x, post, comb = hc_pre(h, *_hc_args(lp, "hc_attn", cfg))
-            y, st = attention_decode(lp["attn"], rms_norm(x, lp["attn_norm"]["weight"], cfg.rms_norm_eps), st, pos, cfg, i)
-            h = hc_post(y, h, post, comb)
-            h = _ffn_block(lp, h, tokens, cfg, moe_impl)
-            new_layers.append(st)
-    return _logits(params, h, cfg), {"layers": new_layers, "lengths": pos + 1}
+    h, state = extend(params, tokens[:, None], state, cfg, moe_impl=moe_impl)
+    return logits_from_hidden(params, h[:, 0], cfg), state
 
 
 # ---- checkpoint names ---------------------------------------------------------------------------------------

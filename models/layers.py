@@ -58,7 +58,9 @@ def yarn_mscale(scale: float, mscale: float = 1.0) -> float:
     return 1.0 if scale <= 1 else 0.1 * mscale * math.log(scale) + 1.0
 
 
-def rope_cos_sin(positions: jax.Array, inv_freq: np.ndarray, scale: float = 1.0) -> tuple[jax.Array, jax.Array]:
+def rope_cos_sin(
+    positions: jax.Array, inv_freq: np.ndarray, scale: float = 1.0
+) -> tuple[jax.Array, jax.Array]:
     """cos, sin of shape positions.shape + [dim // 2], float32."""
     freqs = positions.astype(jnp.float32)[..., None] * jnp.asarray(inv_freq)
     return jnp.cos(freqs) * scale, jnp.sin(freqs) * scale

@@ -21,7 +21,9 @@ def sinkhorn(logits: jax.Array, iters: int, eps: float) -> jax.Array:
     return comb
 
 
-def hc_pre(h: jax.Array, fn: jax.Array, base: jax.Array, scale: jax.Array, iters: int, eps: float, norm_eps: float):
+def hc_pre(
+    h: jax.Array, fn: jax.Array, base: jax.Array, scale: jax.Array, iters: int, eps: float, norm_eps: float
+):
     """Collapse n streams into one block input and compute the mixing for after the block.
 
     h: [..., n, d]. fn: f32[(2 + n) n, n d]; base: f32[(2 + n) n]; scale: f32[3].

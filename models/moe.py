@@ -7,8 +7,8 @@ import jax
 import jax.numpy as jnp
 
 from djax.config import ModelConfig
-from djax.quant import dense
 from djax.models.layers import linear, swiglu
+from djax.quant import dense
 
 
 def _score(logits: jax.Array, func: str) -> jax.Array:
@@ -91,7 +91,9 @@ def experts_dense(x, weights, idx, w1, w2, w3, limit: float) -> jax.Array:
     return out
 
 
-def moe(x: jax.Array, p: dict, cfg: ModelConfig, token_ids: jax.Array | None, impl: str = "grouped") -> jax.Array:
+def moe(
+    x: jax.Array, p: dict, cfg: ModelConfig, token_ids: jax.Array | None, impl: str = "grouped"
+) -> jax.Array:
     """Routed experts plus the shared expert. x: [..., d]; token_ids: int[...] (hash layers)."""
     shape = x.shape
     flat = x.reshape(-1, shape[-1])

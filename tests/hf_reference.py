@@ -16,7 +16,9 @@ def randomize_hf(model, seed: int = 0, n_experts: int | None = None) -> None:
         for name, p in list(model.named_parameters()) + list(model.named_buffers()):
             if "tid2eid" in name:
                 p.copy_(torch.randint(0, n_experts, p.shape, generator=g))
-            elif any(k in name for k in ("sinks", "position_bias", "base", "e_score_correction_bias", "bias")):
+            elif any(
+                k in name for k in ("sinks", "position_bias", "base", "e_score_correction_bias", "bias")
+            ):
                 p.copy_(torch.rand(p.shape, generator=g) - 0.5)
             elif "norm" in name and p.ndim == 1 and p.dtype.is_floating_point:
                 p.copy_(1 + 0.2 * (torch.rand(p.shape, generator=g) - 0.5))

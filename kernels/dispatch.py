@@ -1,0 +1,28 @@
+"""Picks an implementation for `impl="auto"`: the fast kernel on CUDA, the jnp reference elsewhere."""
+
+from __future__ import annotations
+
+import importlib.util
+
+import jax
+
+
+def on_cuda() -> bool:
+    """True when JAX's default backend is a CUDA GPU."""
+    try:
+        return jax.default_backend() == "gpu"
+    except RuntimeError:
+        return False
+
+
+def has_triton() -> bool:
+    return importlib.util.find_spec("triton") is not None
+
+
+def resolve(impl: str, allowed: tuple[str, ...], fast: str | None = "triton") -> str:
+    """Maps `impl` to one of `allowed`; "auto" is `fast` on CUDA with Triton present, else "ref"."""
+    if impl == "auto":
+        impl = fast if (fast is not None and on_cuda() and has_triton()) else "ref"
+    if impl not in allowed:
+        raise ValueError(f"impl must be 'auto' or one of {allowed}, got {impl!r}")
+    return impl

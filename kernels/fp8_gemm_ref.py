@@ -1,0 +1,83 @@
+"""FP8 e4m3 block-scaled GEMMs in jnp (DeepGEMM's SM90 scale layout): dense, grouped contiguous, grouped masked.
+
+Scales: activations 1x128 (per row, per 128 columns of k), weights 128x128; a trailing partial block
+(k or n not a multiple of 128) has its own scale. Every product accumulates in float32.
+"""
+
+from __future__ import annotations
+
+import jax
+import jax.numpy as jnp
+
+F32 = jnp.float32
+FP8 = jnp.float8_e4m3fn
+FP8_MAX = 448.0
+BLOCK = 128
+
+
+def _blocks(n: int) -> int:
+    return -(-n // BLOCK)
+
+
+def _expand(scale, axis: int, size: int):
+    return jnp.repeat(scale, BLOCK, axis=axis, total_repeat_length=_blocks(size) * BLOCK).take(
+        jnp.arange(size), axis
+    )
+
+
+def quantize_act(x):
+    """x [..., m, k] -> (fp8[..., m, k], f32[..., m, ceil(k/128)]): one scale per row and 128 columns."""
+    *lead, m, k = x.shape
+    pad = _blocks(k) * BLOCK - k
+    xb = jnp.pad(x.astype(F32), [(0, 0)] * (len(lead) + 1) + [(0, pad)]).reshape(*lead, m, _blocks(k), BLOCK)
+    s = jnp.maximum(jnp.abs(xb).max(-1), 1e-12) / FP8_MAX
+    q = (xb / s[..., None]).reshape(*lead, m, -1)[..., :k].astype(FP8)
+    return q, s
+
+
+def quantize_weight(w):
+    """w [..., n, k] -> (fp8[..., n, k], f32[..., ceil(n/128), ceil(k/128)]): one scale per 128x128 block."""
+    *lead, n, k = w.shape
+    nb, kb = _blocks(n), _blocks(k)
+    wp = jnp.pad(w.astype(F32), [(0, 0)] * len(lead) + [(0, nb * BLOCK - n), (0, kb * BLOCK - k)])
+    wb = wp.reshape(*lead, nb, BLOCK, kb, BLOCK)
+    s = jnp.maximum(jnp.abs(wb).max((-3, -1)), 1e-12) / FP8_MAX
+    q = (wb / s[..., :, None, :, None]).reshape(*lead, nb * BLOCK, kb * BLOCK)[..., :n, :k].astype(FP8)
+    return q, s
+
+
+def dequant_act(a, a_scale):
+    return a.astype(F32) * _expand(a_scale, -1, a.shape[-1])
+
+
+def dequant_weight(b, b_scale):
+    s = _expand(_expand(b_scale, -1, b.shape[-1]), -2, b.shape[-2])
+    return b.astype(F32) * s
+
+
+def fp8_gemm_ref(a, a_scale, b, b_scale, out_dtype=jnp.bfloat16):
+    """out[m, n] = sum_k a[m, k] b[n, k] with scales. a fp8[m, k]; a_scale f32[m, kb]; b fp8[n, k];
+    b_scale f32[nb, kb]. Returns out_dtype[m, n]."""
+    out = jnp.einsum("mk,nk->mn", dequant_act(a, a_scale), dequant_weight(b, b_scale), precision="highest")
+    return out.astype(out_dtype)
+
+
+def grouped_contiguous_ref(a, a_scale, b, b_scale, m_indices, out_dtype=jnp.bfloat16):
+    """MoE prefill layout: rows of a sorted by expert. a fp8[m, k]; a_scale f32[m, kb]; b fp8[g, n, k];
+    b_scale f32[g, nb, kb]; m_indices int32[m] the expert of each row, -1 for padding rows (output 0)."""
+    af = dequant_act(a, a_scale)
+
+    def one(acc, g):
+        y = jnp.einsum("mk,nk->mn", af, dequant_weight(b[g], b_scale[g]), precision="highest")
+        return jnp.where((m_indices == g)[:, None], y, acc), None
+
+    out, _ = jax.lax.scan(one, jnp.zeros((a.shape[0], b.shape[1]), F32), jnp.arange(b.shape[0]))
+    return out.astype(out_dtype)
+
+
+def grouped_masked_ref(a, a_scale, b, b_scale, masked_m, out_dtype=jnp.bfloat16):
+    """MoE decode layout: a fp8[g, M, k] with only the first masked_m[g] rows of group g live;
+    a_scale f32[g, M, kb]; b fp8[g, n, k]; b_scale f32[g, nb, kb]. Dead rows of the output are 0."""
+    out = jnp.einsum("gmk,gnk->gmn", dequant_act(a, a_scale), dequant_weight(b, b_scale), precision="highest")
+    live = jnp.arange(a.shape[1])[None, :] < masked_m[:, None]
+    return jnp.where(live[..., None], out, 0.0).astype(out_dtype)

@@ -1,0 +1,81 @@
+"""Public sparse decode attention op for DeepSeek-V4: `sparse_decode(..., impl="auto"|"ref"|"triton")`."""
+
+from __future__ import annotations
+
+import jax
+import jax.numpy as jnp
+
+from djax.kernels.dispatch import resolve
+from djax.kernels.sparse_attn_ref import sparse_decode_ref
+
+
+def sparse_decode(
+    q,
+    window,
+    window_valid,
+    pool,
+    topk,
+    sinks,
+    scale: float,
+    impl: str = "auto",
+    block_h: int = 32,
+    block_s: int = 64,
+    num_warps: int = 8,
+    num_stages: int = 1,
+    nsplit: int = 1,
+):
+    """Decode attention over the SWA ring plus top-k picks from the compressed pool, K = V, with sinks.
+
+    q [b, h, k] bf16; window [b, W, k]; window_valid bool[b, W]; pool [b, C, k]; topk int32[b, T]
+    (-1 = invalid pick); sinks f32[h]. Returns [b, h, k] in q's dtype. The Triton kernel needs k a
+    power of two and h a multiple of `block_h` (>= 16); a row with nothing valid returns zeros.
+    `nsplit` > 1 splits the keys over that many programs per row (flash decoding) and merges them after.
+    """
+    impl = resolve(impl, ("ref", "triton"))
+    if impl == "ref":
+        return sparse_decode_ref(q, window, window_valid, pool, topk, sinks, scale)
+    return _triton(
+        q, window, window_valid, pool, topk, sinks, scale, block_h, block_s, num_warps, num_stages, nsplit
+    )
+
+
+def _triton(
+    q, window, window_valid, pool, topk, sinks, scale, block_h, block_s, num_warps, num_stages, nsplit
+):
+    from djax.ffi import cubin
+    from djax.kernels.sparse_attn_triton import (
+        combine_splits,
+        constexprs,
+        sparse_decode_kernel,
+        sparse_decode_split_kernel,
+    )
+
+    b, h, k = q.shape
+    args = [
+        q,
+        window.astype(q.dtype),
+        window_valid.astype(jnp.int32),
+        pool.astype(q.dtype),
+        topk.astype(jnp.int32),
+        sinks.astype(jnp.float32),
+    ]
+    names = ["q_ptr", "win_ptr", "valid_ptr", "pool_ptr", "topk_ptr", "sink_ptr"]
+    cx = constexprs(h, k, window.shape[1], pool.shape[1], topk.shape[1], scale, block_h, block_s, nsplit)
+    dtypes = [a.dtype for a in args]
+    if nsplit == 1:
+        kern = cubin.compile_triton(
+            sparse_decode_kernel, [*names, "out_ptr"], [*dtypes, q.dtype], cx, num_warps, num_stages
+        )
+        return cubin.launch(kern, (b, h // block_h), args, jax.ShapeDtypeStruct(q.shape, q.dtype))
+    f32 = jnp.float32
+    kern = cubin.compile_triton(
+        sparse_decode_split_kernel,
+        [*names, "part_ptr", "lse_ptr"],
+        [*dtypes, f32, f32],
+        cx,
+        num_warps,
+        num_stages,
+    )
+    outs = [jax.ShapeDtypeStruct((b, nsplit, h, k), f32), jax.ShapeDtypeStruct((b, nsplit, h), f32)]
+    part, lse = cubin.launch(kern, (b, h // block_h, nsplit), args, outs)
+    return combine_splits(part, lse, jnp).astype(q.dtype)

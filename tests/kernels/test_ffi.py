@@ -1,0 +1,64 @@
+"""The FFI library: CPU handlers built and called through XLA; Triton kernels compiled ahead to sm_90 cubins."""
+
+import importlib.util
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+
+from djax.ffi import build
+from djax.ffi.cpu_ops import gather_rows, scatter_add_rows
+
+
+def test_cpu_handlers_under_jit_and_vs_numpy():
+    rng = np.random.default_rng(0)
+    x = rng.standard_normal((7, 5)).astype(np.float32)
+    idx = np.array([6, -1, 0, 7, 3, 3], np.int32)
+    out = np.asarray(jax.jit(gather_rows)(jnp.asarray(x), jnp.asarray(idx)))
+    ref = np.stack([x[i] if 0 <= i < 7 else np.zeros(5, np.float32) for i in idx])
+    np.testing.assert_array_equal(out, ref)
+    w = rng.random(6).astype(np.float32)
+    acc = np.asarray(
+        jax.jit(scatter_add_rows, static_argnums=3)(jnp.asarray(out), jnp.asarray(w), jnp.asarray(idx), 7)
+    )
+    ref2 = np.zeros((7, 5))
+    for i, t in enumerate(idx):
+        if 0 <= t < 7:
+            ref2[t] += w[i] * out[i]
+    np.testing.assert_allclose(acc, ref2, rtol=1e-6, atol=1e-6)
+
+
+def test_library_is_cached(tmp_path, monkeypatch):
+    monkeypatch.setenv("DJAX_FFI_CACHE", str(tmp_path))
+    build.library.cache_clear()
+    try:
+        build.library("cpu_ops")
+        files = list(tmp_path.glob("libcpu_ops-*.so"))
+        assert len(files) == 1
+        mtime = files[0].stat().st_mtime_ns
+        build.library.cache_clear()
+        build.library("cpu_ops")
+        assert files[0].stat().st_mtime_ns == mtime  # reused, not rebuilt
+    finally:
+        build.library.cache_clear()
+
+
+@pytest.mark.skipif(build.cuda_include() is None, reason="needs CUDA headers (cuda.h)")
+def test_cuda_launcher_builds_without_a_gpu():
+    lib = build.library("cubin_launch", cuda=True)
+    assert hasattr(lib, "DjaxCubinLaunch") and hasattr(lib, "djax_load_cubin")
+
+
+@pytest.mark.skipif(importlib.util.find_spec("triton") is None, reason="needs triton")
+def test_triton_compiles_ahead_to_sm90_cubin():
+    from djax.ffi.cubin import compile_triton
+    from djax.kernels.sparse_attn_triton import constexprs, sparse_decode_kernel
+
+    names = ["q_ptr", "win_ptr", "valid_ptr", "pool_ptr", "topk_ptr", "sink_ptr", "out_ptr"]
+    dtypes = [jnp.bfloat16, jnp.bfloat16, jnp.int32, jnp.bfloat16, jnp.int32, jnp.float32, jnp.bfloat16]
+    k = compile_triton(
+        sparse_decode_kernel, names, dtypes, constexprs(64, 512, 128, 1024, 512, 0.05, 16, 32), 4, 2
+    )
+    assert k.binary[:4] == b"\x7fELF" and k.name == "sparse_decode_kernel"
+    assert k.threads == 128 and k.shared_bytes > 0 and k.extra_null == 2

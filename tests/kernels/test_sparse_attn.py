@@ -1,0 +1,101 @@
+"""Sparse decode attention: the jnp reference against brute-force numpy, the model's own _attend, and Triton."""
+
+import jax.numpy as jnp
+import numpy as np
+import pytest
+from checks import assert_close, needs_triton_interp
+
+from djax.kernels.sparse_attn import sparse_decode
+from djax.kernels.sparse_attn_ref import sparse_decode_ref
+
+
+def _inputs(rng, b, h, k, w, c, t, dtype=np.float32):
+    q = rng.standard_normal((b, h, k)).astype(dtype)
+    win = rng.standard_normal((b, w, k)).astype(dtype)
+    valid = rng.random((b, w)) < 0.7
+    pool = rng.standard_normal((b, c, k)).astype(dtype)
+    topk = rng.integers(-1, c, (b, t)).astype(np.int32)  # about 1/(c+1) of picks invalid
+    topk[:, 0] = -1
+    valid[-1] = False
+    topk[-1] = -1  # the last row has nothing to attend
+    sinks = rng.standard_normal(h).astype(np.float32)
+    return q, win, valid, pool, topk, sinks
+
+
+def _brute(q, win, valid, pool, topk, sinks, scale):
+    b, h, k = q.shape
+    out = np.zeros((b, h, k))
+    for i in range(b):
+        keys = [win[i, j] for j in range(win.shape[1]) if valid[i, j]]
+        keys += [pool[i, j] for j in topk[i] if 0 <= j < pool.shape[1]]
+        keys = np.array(keys, np.float64).reshape(-1, k)
+        for hh in range(h):
+            logits = keys @ q[i, hh].astype(np.float64) * scale
+            mx = max(logits.max(initial=-np.inf), sinks[hh])
+            p = np.exp(logits - mx)
+            out[i, hh] = p @ keys / (p.sum() + np.exp(sinks[hh] - mx))
+    return out
+
+
+@pytest.mark.parametrize("b,h,k,w,c,t", [(3, 4, 16, 13, 40, 21), (2, 8, 32, 128, 7, 9), (4, 2, 8, 1, 3, 1)])
+def test_ref_matches_brute_force(b, h, k, w, c, t):
+    rng = np.random.default_rng(b * 100 + w)
+    args = _inputs(rng, b, h, k, w, c, t)
+    out = sparse_decode_ref(*map(jnp.asarray, args), scale=k**-0.5)
+    ref = _brute(*args, scale=k**-0.5)
+    assert_close(out, ref, 1e-5)
+    assert np.all(np.asarray(out)[-1] == 0)  # nothing to attend: all mass on the sink
+
+
+def test_ref_bf16_close_to_f32():
+    rng = np.random.default_rng(7)
+    args = _inputs(rng, 2, 8, 64, 16, 50, 24)
+    a16 = [
+        jnp.asarray(x, jnp.bfloat16) if x.dtype == np.float32 and x.ndim == 3 else jnp.asarray(x)
+        for x in args
+    ]
+    out = sparse_decode_ref(*a16, scale=0.125)
+    ref = _brute(
+        *[np.asarray(x.astype(jnp.float32)) if x.dtype == jnp.bfloat16 else np.asarray(x) for x in a16],
+        scale=0.125,
+    )
+    assert out.dtype == jnp.bfloat16
+    assert_close(out, ref, 1e-2)
+
+
+def test_ref_matches_model_attend():
+    from djax.models.deepseek_v4 import _attend
+
+    rng = np.random.default_rng(3)
+    q, win, valid, pool, topk, sinks = map(jnp.asarray, _inputs(rng, 3, 4, 16, 10, 30, 12))
+    ok = topk >= 0
+    keys = jnp.concatenate([win, jnp.take_along_axis(pool, jnp.maximum(topk, 0)[..., None], axis=1)], axis=1)
+    mask = jnp.concatenate([valid, ok], axis=1)
+    model = _attend(q[:, None], keys[:, None], mask[:, None], sinks, 0.25)[:, 0]
+    assert_close(sparse_decode_ref(q, win, valid, pool, topk, sinks, 0.25), model, 1e-6)
+
+
+@needs_triton_interp
+@pytest.mark.parametrize(
+    "b,h,k,w,c,t,bh,bs,ns",
+    [(3, 32, 32, 13, 40, 21, 16, 16, 1), (2, 16, 64, 20, 9, 5, 16, 8, 1), (3, 16, 32, 13, 40, 21, 16, 8, 3)],
+)
+def test_triton_interpreted_matches_ref(b, h, k, w, c, t, bh, bs, ns):
+    import torch
+
+    from djax.kernels.sparse_attn_triton import launch_torch
+
+    rng = np.random.default_rng(b + w)
+    args = _inputs(rng, b, h, k, w, c, t)
+    out = launch_torch(*map(torch.from_numpy, args), scale=k**-0.5, block_h=bh, block_s=bs, nsplit=ns)
+    ref = sparse_decode_ref(*map(jnp.asarray, args), scale=k**-0.5)
+    assert_close(out.numpy(), ref, 1e-5)
+    assert np.all(out.numpy()[-1] == 0)
+
+
+def test_public_op_auto_is_ref_on_cpu():
+    rng = np.random.default_rng(11)
+    args = list(map(jnp.asarray, _inputs(rng, 2, 4, 16, 5, 6, 3)))
+    np.testing.assert_array_equal(sparse_decode(*args, scale=0.3), sparse_decode_ref(*args, scale=0.3))
+    with pytest.raises(ValueError):
+        sparse_decode(*args, scale=0.3, impl="cuda-magic")
