@@ -1,8 +1,9 @@
 """djax: the DeepSeek model family (V4, V3) and its inference engine as pure JAX functions."""
 
-from djax.checkpoint import CheckpointError, load_checkpoint
+from djax.checkpoint import CheckpointError, load_checkpoint, save_pretrained
 from djax.config import PRESETS, ModelConfig, SamplingParams, preset
 from djax.generate import Batch, Generated, generate
+from djax.orbax_io import restore_params, save_params
 from djax.params import abstract_params, init_params
 from djax.sharding import DEFAULT_RULES, ShardingRules, constrain, make_mesh, param_shardings, shard_params
 from djax.step import decode, forward, init_state, prefill
@@ -31,4 +32,7 @@ __all__ = [
     "load_checkpoint",
     "preset",
     "prefill",
+    "restore_params",
+    "save_params",
+    "save_pretrained",
 ]

@@ -1,134 +1,423 @@
-"""Checkpoints: HF-format directories (config.json + *.safetensors, DeepSeek's tensor names) -> (config, params)."""
+"""HF-format checkpoints (config.json + *.safetensors, DeepSeek's tensor names) <-> (ModelConfig, params).
+
+On disk every routed expert is its own tensor (`layers.3.ffn.experts.5.w1.weight`); in the params
+tree the experts of a layer are stacked on a leading axis (`layers.3.ffn.experts.w1`: [e, f, d]).
+FP8 weights sit beside a block scale named `<name>.scale` (DeepSeek) or `<name>.weight_scale_inv`
+(HF) that multiplies each block (128 x 128 unless config.json's `quantization_config` says
+otherwise); the scale is float32, bf16 or e8m0.
+"""
 
 from __future__ import annotations
 
+import json
 import re
+from collections.abc import Callable
+from dataclasses import dataclass
+from functools import partial
 from pathlib import Path
+from typing import Any
 
 import jax
 import jax.numpy as jnp
-import ml_dtypes
 import numpy as np
 from tqdm import tqdm
 
 from djax.config import ModelConfig
 from djax.models import model_module
 from djax.params import Param, flatten_names, is_param, unflatten_names
-from djax.quant import QArray
-from djax.safetensors_io import SafetensorsFile
+from djax.quant import FP8, QArray, quantize, scale_shape, scale_sharding
+from djax.safetensors_io import DTYPES, Lazy, SafetensorsFile, nbytes, save_file
 
-_EXPERT = re.compile(r"^(.*\.experts)\.(\d+)\.(w[123])$")
-_SCALE = re.compile(r"^(.*)\.(weight_scale_inv|scale)$")
+INDEX = "model.safetensors.index.json"
+DEFAULT_BLOCK = (128, 128)
+_FP8 = ("F8_E4M3", "F8_E5M2")
+_SCALE_DTYPES = ("F32", "BF16", "F16", "F8_E8M0")
+_SCALE_SUFFIXES = (".weight_scale_inv", ".scale")
+_STACKED = re.compile(r"^(.*\.experts)\.(w[123])$")  # tree name of a layer's stacked experts
+_MAX_LISTED = 10
 
 
 class CheckpointError(ValueError):
-    """A checkpoint whose tensors do not match the model's declaration (names the tensor)."""
+    """A checkpoint that does not match the model's declaration; the message names each bad tensor."""
 
 
-def _declared(config: ModelConfig, with_mtp: bool) -> dict:
-    return model_module(config).declare(config, with_mtp=with_mtp)
+# ---- reading -----------------------------------------------------------------------------------------
+@dataclass(frozen=True)
+class _Tensor:
+    """One tensor in the files and, when it is FP8, its block scale."""
+
+    file: SafetensorsFile
+    raw: str
+    scale: tuple[SafetensorsFile, str] | None = None
+
+    @property
+    def shape(self) -> tuple[int, ...]:
+        return self.file.shape(self.raw)
+
+    @property
+    def quantized(self) -> bool:
+        return self.file.dtype(self.raw) in _FP8
+
+    def array(self, scale: bool = False) -> np.ndarray:
+        """A memory-mapped view (nothing is read until it is sliced or copied)."""
+        f, raw = self.scale if scale else (self.file, self.raw)
+        return f.get(raw)
 
 
-def _dequant(values: np.ndarray, scale: np.ndarray, dtype) -> np.ndarray:
-    *_, o, i = values.shape
-    bo, bi = -(-o // scale.shape[-2]), -(-i // scale.shape[-1])
-    s = np.repeat(np.repeat(scale.astype(np.float32), bo, axis=-2), bi, axis=-1)[..., :o, :i]
-    return (values.astype(np.float32) * s).astype(dtype)
+@dataclass(frozen=True)
+class _Source:
+    """The bytes of one declared weight: one tensor, or per-expert tensors stacked on a new leading axis."""
+
+    parts: tuple[_Tensor, ...]
+    stacked: bool
+
+    @property
+    def quantized(self) -> bool:
+        return self.parts[0].quantized
+
+    def shape(self, scale: bool = False) -> tuple[int, ...]:
+        t = self.parts[0]
+        one = t.scale[0].shape(t.scale[1]) if scale else t.shape
+        return (len(self.parts), *one) if self.stacked else one
+
+    def read(self, index: tuple = (), scale: bool = False, dtype=None) -> np.ndarray:
+        """Copy out `index` (a tuple of slices, as `make_array_from_callback` passes) in `dtype`."""
+        index = tuple(index)
+        if not self.stacked:
+            return np.array(self.parts[0].array(scale)[index], dtype=dtype)
+        lead, rest = (index[0], index[1:]) if index else (slice(None), ())
+        return np.stack([np.array(t.array(scale)[rest], dtype=dtype) for t in self.parts[lead]])
+
+
+def _disk_name(name: str) -> str:
+    """DeepSeek's on-disk spelling of a canonical name (per-expert tensors carry `.weight`)."""
+    return name + ".weight" if re.search(r"\.experts\.\d+\.w[123]$", name) else name
+
+
+def _listing(what: str, names: list[str]) -> str:
+    more = f" ... ({len(names)} in all)" if len(names) > _MAX_LISTED else ""
+    return f"{what}: {', '.join(names[:_MAX_LISTED])}{more}"
+
+
+def _open_files(path: Path) -> list[SafetensorsFile]:
+    index = path / INDEX
+    if index.exists():
+        names = sorted(set(json.loads(index.read_text())["weight_map"].values()))
+        absent = [n for n in names if not (path / n).exists()]
+        if absent:
+            raise CheckpointError(_listing(f"{INDEX} names files that are not in {path}", absent))
+    else:
+        names = sorted(p.name for p in path.glob("*.safetensors"))
+    if not names:
+        raise CheckpointError(f"no *.safetensors files in {path}")
+    return [SafetensorsFile(path / n) for n in names]
+
+
+def _index(files: list[SafetensorsFile], canonical: Callable[[str], str | None]) -> dict[str, _Tensor]:
+    """canonical name -> tensor (with its scale paired), over every file; skipped tensors left out."""
+    where: dict[str, SafetensorsFile] = {}
+    for f in files:
+        for raw in f.keys():
+            if raw in where:
+                raise CheckpointError(f"tensor {raw!r} is in both {where[raw].path.name} and {f.path.name}")
+            where[raw] = f
+    scale_of: dict[str, str] = {}
+    for raw in where:
+        for suffix in _SCALE_SUFFIXES:
+            weight = raw.removesuffix(suffix) + ".weight"
+            if raw.endswith(suffix) and weight in where and weight not in scale_of:
+                scale_of[weight] = raw
+    scales = set(scale_of.values())
+    found: dict[str, _Tensor] = {}
+    for raw, f in where.items():
+        if raw in scales:
+            continue
+        name = canonical(raw)
+        if name is None:
+            continue
+        if name in found:
+            raise CheckpointError(f"tensors {found[name].raw!r} and {raw!r} both name the weight {name!r}")
+        s = scale_of.get(raw)
+        found[name] = _Tensor(f, raw, None if s is None else (where[s], s))
+    return found
+
+
+def _check(t: _Tensor, want: tuple[int, ...], block: tuple[int, int], p: Param) -> str | None:
+    """What is wrong with tensor t as the weight declared as p (shape `want`), or None."""
+    dtype = t.file.dtype(t.raw)
+    if dtype not in DTYPES:
+        return f"tensor {t.raw!r} has unsupported dtype {dtype}"
+    if dtype in ("I8", "U8") and t.scale is not None:
+        return f"tensor {t.raw!r} looks FP4-packed (int8 beside a scale), which djax does not read yet"
+    if t.shape != want:
+        return f"tensor {t.raw!r} has shape {t.shape}, expected {want}"
+    if not t.quantized:
+        return None if t.scale is None else f"scale {t.scale[1]!r} sits beside {t.raw!r}, which is not FP8"
+    if t.scale is None:
+        return f"tensor {t.raw!r} is FP8 but has no scale (`.scale` or `.weight_scale_inv`) beside it"
+    if len(want) != 2 or (p.dtype is not None and jnp.issubdtype(jnp.dtype(p.dtype), jnp.integer)):
+        return f"tensor {t.raw!r} is FP8, which djax reads only for float matrices"
+    sf, sname = t.scale
+    expect = tuple(-(-n // b) for n, b in zip(want, block))
+    if sf.dtype(sname) not in _SCALE_DTYPES:
+        return f"scale {sname!r} has dtype {sf.dtype(sname)}; expected one of {_SCALE_DTYPES}"
+    if sf.shape(sname) != expect:
+        return f"scale {sname!r} has shape {sf.shape(sname)}, expected {expect} for {block} blocks of {want}"
+    return None
+
+
+def _plan(found: dict[str, _Tensor], decl: dict[str, Param], block: tuple[int, int]) -> dict[str, _Source]:
+    """Match every declared weight with its tensors; raise one CheckpointError listing every problem."""
+    plan, missing, problems = {}, [], []
+    for name, p in decl.items():
+        m = _STACKED.match(name)
+        if m and len(p.shape) == 3:
+            keys = [f"{m[1]}.{e}.{m[2]}" for e in range(p.shape[0])]
+            want, stacked = p.shape[1:], True
+        else:
+            keys, want, stacked = [name], p.shape, False
+        parts = [found.pop(k, None) for k in keys]
+        missing += [_disk_name(k) for k, t in zip(keys, parts) if t is None]
+        problems += [msg for t in parts if t is not None and (msg := _check(t, tuple(want), block, p))]
+        if all(t is not None for t in parts):
+            if len({t.quantized for t in parts}) > 1:
+                problems.append(f"experts of {name!r} mix FP8 and unquantized tensors")
+            plan[name] = _Source(tuple(parts), stacked)
+    lines = []
+    if missing:
+        lines.append(_listing("missing tensors", missing))
+    if found:
+        lines.append(_listing("unexpected tensors", sorted(t.raw for t in found.values())))
+    lines += problems[:_MAX_LISTED]
+    if lines:
+        raise CheckpointError("checkpoint does not match the model:\n  " + "\n  ".join(lines))
+    return plan
+
+
+def _put(src: _Source, dtype, sharding, scale: bool = False) -> jax.Array:
+    """One array on device(s): the whole tensor, or each device's slice read by itself when sharded."""
+    if sharding is None:
+        return jax.device_put(src.read(scale=scale, dtype=dtype))
+    shape = src.shape(scale)
+    return jax.make_array_from_callback(shape, sharding, partial(src.read, scale=scale, dtype=dtype))
+
+
+@partial(jax.jit, static_argnames="dtype")
+def _dequantize(q: QArray, dtype) -> jax.Array:
+    return q.dense(dtype)
+
+
+def _load(src: _Source, p: Param, config: ModelConfig, block, keep_quantized: bool, sharding):
+    dtype = np.dtype(p.dtype if p.dtype is not None else config.dtype)
+    if not src.quantized:
+        return _put(src, dtype, sharding)
+    values = _put(src, src.parts[0].array().dtype, sharding)
+    scale = _put(src, np.float32, scale_sharding(sharding, src.shape(scale=True)), scale=True)
+    q = QArray(values, scale, block)
+    if keep_quantized and p.dtype is None:
+        return q
+    out = _dequantize(q, dtype)
+    return out if sharding is None else jax.device_put(out, sharding)
+
+
+def _shardings_by_name(shardings: Any, decl: dict[str, Param]) -> dict[str, Any]:
+    """{weight name: Sharding or None} from None, one Sharding, or a tree like the params."""
+    if shardings is None or isinstance(shardings, jax.sharding.Sharding):
+        return dict.fromkeys(decl, shardings)
+    flat = flatten_names(shardings)
+    absent = [n for n in decl if not isinstance(flat.get(n), jax.sharding.Sharding)]
+    if absent:
+        raise ValueError(_listing("shardings has no jax.sharding.Sharding for the weights", absent))
+    return flat
+
+
+def _read_config(path: Path, dtype: str | None) -> tuple[ModelConfig, tuple[int, int]]:
+    file = path / "config.json"
+    if not file.exists():
+        raise CheckpointError(f"no config.json in {path}")
+    raw = json.loads(file.read_text())
+    config = ModelConfig.from_hf(raw)
+    if dtype is not None:
+        config = config.replace(dtype=dtype)
+    quant = raw.get("text_config", raw).get("quantization_config") or raw.get("quantization_config") or {}
+    return config, tuple(quant.get("weight_block_size") or DEFAULT_BLOCK)
 
 
 def load_checkpoint(
     path: str | Path,
-    *,
     dtype: str | None = None,
     keep_quantized: bool = False,
-    shardings=None,
+    shardings: Any = None,
     progress: bool = True,
 ) -> tuple[ModelConfig, dict]:
-    """Read an HF-format checkpoint directory tensor by tensor.
+    """Read an HF-format checkpoint directory, tensor by tensor, into (config, params).
 
-    dtype overrides the config's compute dtype. FP8 weights with block scales (`weight_scale_inv`
-    or `scale`) are dequantized, or kept as `QArray` when keep_quantized. shardings: an optional
-    tree (same structure as the params) of `jax.sharding.Sharding` to place each tensor with.
-    Raises CheckpointError naming any missing, unexpected or mis-shaped tensor. MTP tensors are
-    optional: when the files hold none, the returned params have no "mtp" entry.
+    path: a folder with config.json and *.safetensors (or model.safetensors.index.json and the
+    shards it names). Tensor names are DeepSeek's (`layers.0.attn.wq_a.weight`) or any spelling the
+    model's `canonical_name` maps to them (HF transformers' `model.` prefix, ...).
+    dtype: the compute dtype ("bfloat16", "float32"), overriding config.json's; weights declared
+    float32 (norms, mHC, router biases) stay float32.
+    keep_quantized: FP8 weights become `QArray` (e4m3 values + float32 block scales) that the
+    model dequantizes on use; otherwise they are dequantized to the dtype while loading.
+    shardings: None (default device), one `jax.sharding.Sharding` for every weight, or a tree like
+    the params (e.g. `djax.sharding.param_shardings(config, mesh)`); each device then reads only
+    its own slice of each tensor. A kept-quantized weight's scale shards like the weight where
+    the block dims divide.
+
+    Headers are checked before any data is read: a missing, unexpected or mis-shaped tensor, or an
+    FP8 tensor without a scale, raises CheckpointError naming it. MTP tensors are optional; when
+    the files hold none, the params have no "mtp" entry.
     """
     path = Path(path)
-    config = ModelConfig.from_hf(path / "config.json")
-    if dtype is not None:
-        config = config.replace(dtype=dtype)
+    config, block = _read_config(path, dtype)
     module = model_module(config)
-    files = [SafetensorsFile(f) for f in sorted(path.glob("*.safetensors"))]
-    if not files:
-        raise CheckpointError(f"no *.safetensors files in {path}")
-    where: dict[str, tuple[SafetensorsFile, str]] = {}
-    scales: dict[str, tuple[SafetensorsFile, str]] = {}
-    for f in files:
-        for raw in f.keys():
-            m = _SCALE.match(raw)
-            if m and f.dtype(raw) in ("F32", "BF16", "F8_E8M0") and raw.endswith(("_scale_inv", ".scale")):
-                target = module.canonical_name(m.group(1) + ".weight", config)
-                if target is not None:
-                    scales[_EXPERT.sub(r"\1.\2.\3", target)] = (f, raw)
-                    continue
-            name = module.canonical_name(raw, config)
-            if name is not None:
-                where[name] = (f, raw)
-    with_mtp = any(n.startswith("mtp.") for n in where)
-    decl = flatten_names(_declared(config, with_mtp), "")
-    decl = {k: v for k, v in decl.items() if is_param(v)}
+    found = _index(_open_files(path), lambda raw: module.canonical_name(raw, config))
+    with_mtp = any(n.startswith("mtp.") for n in found)
+    tree = module.declare(config, with_mtp=with_mtp)
+    decl = {k: v for k, v in flatten_names(tree).items() if is_param(v)}
+    plan = _plan(found, decl, block)
 
-    def read(name: str, p: Param) -> np.ndarray | QArray:
-        f, raw = where.pop(name)
-        arr = f.get(raw)
-        qscale = scales.pop(name, None)
-        if arr.dtype == ml_dtypes.float8_e4m3fn:
-            if qscale is None:
-                raise CheckpointError(f"tensor {raw!r} is FP8 but has no scale tensor")
-            s = qscale[0].get(qscale[1]).astype(np.float32)
-            if keep_quantized:
-                bo, bi = -(-arr.shape[-2] // s.shape[-2]), -(-arr.shape[-1] // s.shape[-1])
-                return QArray(np.asarray(arr), s, (bo, bi))
-            arr = _dequant(arr, s, np.float32)
-        return arr
+    shard_of = _shardings_by_name(shardings, decl)
+    out = {}
+    for name in tqdm(decl, desc="loading", unit="tensor", disable=not progress):
+        out[name] = _load(plan[name], decl[name], config, block, keep_quantized, shard_of.get(name))
+    return config, unflatten_names(out, tree)
 
-    flat_out: dict[str, object] = {}
-    names = list(decl)
-    for name in tqdm(names, desc="loading", disable=not progress, unit="tensor"):
-        p = decl[name]
-        m = re.match(r"^(.*\.experts)\.(w[123])$", name)
-        if m:
-            parts = []
-            for e in range(p.shape[0]):
-                key = f"{m.group(1)}.{e}.{m.group(2)}"
-                if key not in where:
-                    raise CheckpointError(f"missing tensor {key!r}")
-                parts.append(read(key, Param(p.shape[1:], p.axes[1:], p.dtype)))
-            if isinstance(parts[0], QArray):
-                value = QArray(np.stack([q.values for q in parts]), np.stack([q.scale for q in parts]), parts[0].block)
-            else:
-                value = np.stack(parts)
+
+# ---- writing -----------------------------------------------------------------------------------------
+def _tensors(name: str, w: Any, expert: int | None, quant: tuple[int, int] | None) -> dict[str, Lazy]:
+    """The on-disk tensors of weight w (or of its expert `expert`): the weight, and its `.scale` if FP8."""
+    shape = tuple(w.shape[1:] if expert is not None else w.shape)
+
+    def get():
+        return w if expert is None else w[expert]
+
+    if not isinstance(w, QArray) and quant is None:
+        return {name: Lazy(shape, w.dtype, get)}
+    if not name.endswith(".weight"):
+        raise CheckpointError(f"quantized weight {name!r} must be a `.weight` to name its `.scale`")
+    scale_name = name.removesuffix(".weight") + ".scale"
+    if isinstance(w, QArray):
+        return {
+            name: Lazy(shape, w.values.dtype, lambda: get().values),
+            scale_name: Lazy(
+                scale_shape(shape, w.block), np.float32, lambda: jnp.asarray(get().scale, jnp.float32)
+            ),
+        }
+    held: dict[str, QArray] = {}  # the values are written first; the scale right after frees it
+
+    def values():
+        held["q"] = quantize(np.asarray(get()), quant)
+        return held["q"].values
+
+    return {
+        name: Lazy(shape, np.dtype(FP8), values),
+        scale_name: Lazy(scale_shape(shape, quant), np.float32, lambda: held.pop("q").scale),
+    }
+
+
+def _fp8_eligible(name: str, p: Param) -> bool:
+    """The matrices DeepSeek ships in FP8: every projection, but not the embedding, head or router."""
+    return (
+        p.dtype is None
+        and name.endswith(".weight")
+        and len(p.shape) == 2
+        and name not in ("embed.weight", "head.weight")
+        and not name.endswith(".gate.weight")
+    )
+
+
+def _disk_tensors(params: Any, config: ModelConfig, fp8: bool) -> tuple[list[dict[str, Lazy]], set]:
+    """Per weight (per expert), its on-disk tensors under DeepSeek's names; and the quant blocks used."""
+    flat = flatten_names(params)
+    tree = model_module(config).declare(config, with_mtp=any(n.startswith("mtp.") for n in flat))
+    decl = {k: v for k, v in flatten_names(tree).items() if is_param(v)}
+    missing, unexpected = sorted(set(decl) - set(flat)), sorted(set(flat) - set(decl))
+    if missing or unexpected:
+        lines = [
+            _listing(what, names)
+            for what, names in (("missing weights", missing), ("unexpected weights", unexpected))
+            if names
+        ]
+        raise CheckpointError("params do not match the config:\n  " + "\n  ".join(lines))
+    blocks = {w.block for w in flat.values() if isinstance(w, QArray)}
+    qblock = next(iter(blocks)) if blocks else DEFAULT_BLOCK  # fp8 matches the params' own blocks
+    units = []
+    for name, p in decl.items():
+        w = flat[name]
+        if tuple(w.shape) != p.shape:
+            raise CheckpointError(f"weight {name!r} has shape {tuple(w.shape)}, expected {p.shape}")
+        m = _STACKED.match(name)
+        per_expert = m is not None and len(p.shape) == 3
+        one = Param(p.shape[1:], p.axes[1:], p.dtype) if per_expert else p
+        quant = qblock if fp8 and _fp8_eligible(name + ".weight" if per_expert else name, one) else None
+        if quant is not None and not isinstance(w, QArray):
+            blocks.add(quant)
+        if per_expert:
+            units += [_tensors(f"{m[1]}.{e}.{m[2]}.weight", w, e, quant) for e in range(p.shape[0])]
         else:
-            if name not in where:
-                raise CheckpointError(f"missing tensor {name!r}")
-            value = read(name, p)
-        shape = value.shape
-        if tuple(shape) != tuple(p.shape):
-            raise CheckpointError(f"tensor {name!r} has shape {tuple(shape)}, expected {tuple(p.shape)}")
-        flat_out[name] = value
-    if where:
-        extra = sorted(raw for _, raw in where.values())
-        raise CheckpointError(f"unexpected tensors in checkpoint: {extra[:10]}{' ...' if len(extra) > 10 else ''}")
+            units.append(_tensors(name, w, None, quant))
+    return units, blocks
 
-    tree_decl = _declared(config, with_mtp)
-    flat_shard = flatten_names(shardings) if shardings is not None else {}
 
-    def place(name: str, p: Param):
-        v = flat_out[name]
-        dt = jnp.dtype(p.dtype if p.dtype is not None else config.dtype)
-        s = flat_shard.get(name)
-        if isinstance(v, QArray):
-            return QArray(jax.device_put(v.values, s), jax.device_put(v.scale, s and None), v.block)
-        return jax.device_put(np.asarray(v).astype(dt), s)
+def save_pretrained(
+    params: Any,
+    config: ModelConfig,
+    path: str | Path,
+    fp8: bool = False,
+    max_shard_bytes: int = 4 << 30,
+) -> None:
+    """Write params as an HF-format directory that `load_checkpoint` and HF transformers read.
 
-    params = unflatten_names({n: place(n, decl[n]) for n in decl}, tree_decl)
-    return config, params
+    config.json is `config.to_hf()`; tensors carry DeepSeek's on-disk names (`embed.weight`,
+    `layers.0.attn.wq_a.weight`, `layers.0.ffn.experts.3.w1.weight` one per expert, `hc_head_fn`,
+    `head.weight`) in the params' dtypes, in one `model.safetensors` or, above max_shard_bytes,
+    in `model-0000i-of-0000n.safetensors` files listed by `model.safetensors.index.json`.
+    fp8: write every projection matrix (not the embedding, head or router) as FP8 e4m3 with
+    float32 block scales (128 x 128, or the params' own QArray blocks) named `<name>.scale`;
+    `QArray` weights are written that way whatever fp8 says, with config.json's
+    `quantization_config` giving the block. Tensors are fetched from the device (and quantized) one
+    at a time as they are written.
+    """
+    path = Path(path)
+    units, blocks = _disk_tensors(params, config, fp8)
+    if len(blocks) > 1:
+        raise CheckpointError(
+            f"quantized weights use several block shapes {sorted(blocks)}; config.json holds one"
+        )
+    shards: list[dict[str, Lazy]] = [{}]
+    size = 0
+    for unit in units:
+        unit_bytes = sum(nbytes(t.shape, t.dtype) for t in unit.values())
+        if shards[-1] and size + unit_bytes > max_shard_bytes:
+            shards.append({})
+            size = 0
+        shards[-1].update(unit)
+        size += unit_bytes
+
+    path.mkdir(parents=True, exist_ok=True)
+    for old in [*path.glob("model*.safetensors"), path / INDEX]:
+        old.unlink(missing_ok=True)
+    hf = config.to_hf()
+    if blocks:
+        hf["quantization_config"] = {
+            "quant_method": "fp8",
+            "fmt": "e4m3",
+            "activation_scheme": "dynamic",
+            "weight_block_size": list(blocks.pop()),
+        }
+    (path / "config.json").write_text(json.dumps(hf, indent=2) + "\n")
+    weight_map = {}
+    for i, shard in enumerate(shards):
+        file = (
+            "model.safetensors" if len(shards) == 1 else f"model-{i + 1:05d}-of-{len(shards):05d}.safetensors"
+        )
+        save_file(shard, path / file)
+        weight_map.update(dict.fromkeys(shard, file))
+    total = sum(nbytes(t.shape, t.dtype) for shard in shards for t in shard.values())
+    if len(shards) > 1:
+        index = {"metadata": {"total_size": total}, "weight_map": dict(sorted(weight_map.items()))}
+        (path / INDEX).write_text(json.dumps(index, indent=2) + "\n")
+
+
+__all__ = ["CheckpointError", "load_checkpoint", "save_pretrained"]

@@ -10,6 +10,8 @@ from pathlib import Path
 from typing import Any
 
 SLIDING, CSA, HCA = "sliding_attention", "compressed_sparse_attention", "heavily_compressed_attention"
+SHARED = "shared_compressed_attention"  # V4.1: ratio 1 / 2 entries computed by KV-source layers only
+V4_FAMILY = ("deepseek_v4", "deepseek_v41")
 CSA_RATIO = 4  # the only ratio with overlapping windows and an indexer
 
 
@@ -73,11 +75,36 @@ class ModelConfig:
     first_k_dense_replace: int = 3
     n_group: int = 8
     topk_group: int = 4
+    # DeepSeek-V4.1: cross-layer compressed KV, two-level indexer, deferred mHC, Engram, DSpark.
+    kv_source_layer_ids: tuple[int, ...] = ()
+    index_source_layer_ids: tuple[int, ...] = ()
+    candidate_source_layer_id: int = -1
+    candidate_topk_blocks: int = 0
+    candidate_block_size: int = 0
+    engram_layer_ids: tuple[int, ...] = ()
+    engram_num_embeddings: tuple[int, ...] = ()
+    engram_max_ngram_size: int = 4
+    engram_n_heads: int = 8
+    engram_head_dim: int = 256
+    engram_vocab_size: int = 16000000
+    engram_pad_id: int = 2
+    engram_compressed_vocab_size: int = 0
+    dspark_block_size: int = 0
+    dspark_noise_token_id: int = 0
+    dspark_target_layer_ids: tuple[int, ...] = ()
+    dspark_markov_rank: int = 0
+    dspark_n_routed_experts: int = 0
+    dspark_num_experts_per_tok: int = 0
+    # SWA bounded replay: prefill runs the layers after the last KV source over only the last
+    # `replay_keep_tokens` tokens of a prompt (0 = off). V4.1 configs default to 140 = 128 + 12.
+    replay_keep_tokens: int = 0
     dtype: str = "bfloat16"
 
     def __post_init__(self):
-        if self.model_type not in ("deepseek_v4", "deepseek_v3"):
+        if self.model_type not in (*V4_FAMILY, "deepseek_v3"):
             raise ValueError(f"unsupported model_type {self.model_type!r}")
+        if self.model_type == "deepseek_v41":
+            _check_v41(self)
         if self.model_type == "deepseek_v4":
             if len(self.compress_ratios) != self.num_hidden_layers:
                 raise ValueError(
@@ -95,15 +122,53 @@ class ModelConfig:
     # ---- derived facts -------------------------------------------------------------------------
     @property
     def is_v4(self) -> bool:
-        return self.model_type == "deepseek_v4"
+        """V4 and V4.1 (one implementation, V4.1 is configuration of it)."""
+        return self.model_type in V4_FAMILY
+
+    @property
+    def is_v41(self) -> bool:
+        return self.model_type == "deepseek_v41"
 
     def layer_type(self, i: int) -> str:
         """Ratio 4 layers carry overlapping windows and the lightning indexer (CSA), as in DeepSeek's code."""
         r = self.compress_ratios[i]
-        return SLIDING if r == 0 else (CSA if r == CSA_RATIO else HCA)
+        if r == 0:
+            return SLIDING
+        if self.is_v41:
+            return SHARED
+        return CSA if r == CSA_RATIO else HCA
 
     def is_hash_layer(self, i: int) -> bool:
         return i < self.num_hash_layers
+
+    def kv_source(self, i: int) -> int | None:
+        """V4.1: the layer whose compressed pool layer i reads, the nearest KV source at or below i."""
+        below = [s for s in self.kv_source_layer_ids if s <= i]
+        return max(below) if below and self.compress_ratios[i] else None
+
+    def index_source(self, i: int) -> int | None:
+        """V4.1: the layer whose top-k selection layer i uses, the nearest index source at or below i."""
+        below = [s for s in self.index_source_layer_ids if s <= i]
+        return max(below) if below and self.compress_ratios[i] else None
+
+    @property
+    def last_kv_source(self) -> int:
+        return max(self.kv_source_layer_ids, default=-1)
+
+    @property
+    def hc_deferred(self) -> bool:
+        """V4.1's mHC: each sublayer's mix gives the next sublayer's pre weights; no hc_head tensors."""
+        return self.is_v41
+
+    @property
+    def q_head_norm(self) -> bool:
+        """V4 normalises every query head (weightless RMS norm); V4.1 does not."""
+        return self.model_type == "deepseek_v4"
+
+    @property
+    def engram_columns(self) -> int:
+        """Hashed table rows fetched per token and Engram layer: (n-gram orders) x heads."""
+        return (self.engram_max_ngram_size - 1) * self.engram_n_heads
 
     def is_dense_layer(self, i: int) -> bool:
         """V3 only: the first layers use a dense MLP instead of MoE."""
@@ -130,8 +195,8 @@ class ModelConfig:
             cfg = json.loads((p / "config.json" if p.is_dir() else p).read_text())
         cfg = dict(cfg.get("text_config", cfg))
         mt = cfg.get("model_type", "deepseek_v4")
-        if mt not in ("deepseek_v4", "deepseek_v3"):
-            raise ValueError(f"unsupported model_type {mt!r} (djax reads deepseek_v4 and deepseek_v3)")
+        if mt not in (*V4_FAMILY, "deepseek_v3"):
+            raise ValueError(f"unsupported model_type {mt!r} (djax reads deepseek_v4, deepseek_v41 and deepseek_v3)")
         names = {f.name for f in dataclasses.fields(cls)}
         kw = {k: v for k, v in cfg.items() if k in names and v is not None}
         kw["model_type"] = mt
@@ -140,7 +205,9 @@ class ModelConfig:
         if "torch_dtype" in cfg and "dtype" not in cfg:
             kw["dtype"] = cfg["torch_dtype"]
         n = cfg["num_hidden_layers"]
-        if mt == "deepseek_v4":
+        if mt == "deepseek_v41":
+            kw.update(_v41_fields(cfg))
+        if mt in V4_FAMILY:
             kw.update(_v4_layer_fields(cfg, n))
             kw.update(_rope_fields(cfg.get("rope_parameters", {}).get("compress") or cfg.get("rope_scaling")))
             if "qk_rope_head_dim" not in cfg:
@@ -149,6 +216,7 @@ class ModelConfig:
         else:
             kw.update(_rope_fields(cfg.get("rope_scaling") or cfg.get("rope_parameters")))
             kw["compress_ratios"] = ()
+            kw["num_hash_layers"] = 0
             kw["head_dim"] = cfg.get("qk_nope_head_dim", 128) + cfg.get("qk_rope_head_dim", 64)
             if cfg.get("q_lora_rank") is None:
                 raise ValueError("DeepSeek-V3 configs without q_lora_rank are not supported")
@@ -168,7 +236,24 @@ class ModelConfig:
             "beta_fast": self.beta_fast,
             "beta_slow": self.beta_slow,
         }
-        if self.is_v4:
+        v41_names = [f.name for f in dataclasses.fields(self)][
+            [f.name for f in dataclasses.fields(self)].index("kv_source_layer_ids") : -1
+        ]
+        if self.is_v41:
+            # DeepSeek's own layout: one ratio per layer plus the drafter's (sliding-only) layers.
+            d["compress_ratios"] = list(self.compress_ratios) + [0] * self.num_nextn_predict_layers
+            for k in _TUPLE_FIELDS:
+                d[k] = list(d[k])
+            d["partial_rotary_factor"] = self.qk_rope_head_dim / self.head_dim
+            if self.rope_factor > 1:
+                d["rope_scaling"] = rope
+            for k in ("kv_lora_rank", "qk_nope_head_dim", "v_head_dim", "intermediate_size"):
+                d.pop(k)
+            for k in ("first_k_dense_replace", "n_group", "topk_group", "mscale", "mscale_all_dim"):
+                d.pop(k)
+        elif self.is_v4:
+            for k in v41_names:
+                d.pop(k)
             d["compress_ratios"] = list(self.compress_ratios)
             d["layer_types"] = [self.layer_type(i) for i in range(self.num_hidden_layers)]
             hca = sorted({r for r in self.compress_ratios if r and r != CSA_RATIO})
@@ -194,6 +279,8 @@ class ModelConfig:
             ):
                 d.pop(k)
         else:
+            for k in v41_names:
+                d.pop(k)
             rope.update(mscale=self.mscale, mscale_all_dim=self.mscale_all_dim)
             d["rope_scaling"] = rope if self.rope_factor > 1 else None
             for k in (
@@ -217,8 +304,63 @@ class ModelConfig:
             d["num_key_value_heads"] = self.num_attention_heads
         for k in ("rope_factor", "original_max_position_embeddings", "beta_fast", "beta_slow"):
             d.pop(k, None)
-        d["architectures"] = ["DeepseekV4ForCausalLM" if self.is_v4 else "DeepseekV3ForCausalLM"]
+        arch = "DeepseekV41ForCausalLM" if self.is_v41 else "DeepseekV4ForCausalLM"
+        d["architectures"] = [arch if self.is_v4 else "DeepseekV3ForCausalLM"]
         return d
+
+
+_TUPLE_FIELDS = (
+    "kv_source_layer_ids",
+    "index_source_layer_ids",
+    "engram_layer_ids",
+    "engram_num_embeddings",
+    "dspark_target_layer_ids",
+)
+
+
+def _v41_fields(cfg: dict) -> dict:
+    """V4.1's extra fields; its MoE has no hash layers, its bounded replay is on unless set."""
+    out = {k: tuple(int(v) for v in cfg[k]) for k in _TUPLE_FIELDS if cfg.get(k) is not None}
+    if cfg.get("candidate_source_layer") is not None and cfg.get("candidate_source_layer_id") is None:
+        out["candidate_source_layer_id"] = int(cfg["candidate_source_layer"])
+    if cfg.get("engram_pad_token_id") is not None and cfg.get("engram_pad_id") is None:
+        out["engram_pad_id"] = int(cfg["engram_pad_token_id"])
+    out["num_hash_layers"] = 0
+    out.setdefault("replay_keep_tokens", int(cfg.get("replay_keep_tokens", 140)))
+    return out
+
+
+def _check_v41(c: ModelConfig) -> None:
+    """Refuse V4.1 configs whose sharing layout djax cannot run faithfully."""
+    n = c.num_hidden_layers
+    if len(c.compress_ratios) != n:
+        raise ValueError(f"compress_ratios has {len(c.compress_ratios)} entries for {n} layers")
+    bad = [r for r in c.compress_ratios if r not in (0, 1, 2)]
+    if bad:
+        raise ValueError(f"deepseek_v41 compress_ratios must be 0, 1 or 2; got {bad}")
+    if c.num_hash_layers:
+        raise ValueError("deepseek_v41 has no hash-routed layers")
+    for s in c.kv_source_layer_ids:
+        if not c.compress_ratios[s]:
+            raise ValueError(f"KV source layer {s} has compress ratio 0")
+        if s not in c.index_source_layer_ids:
+            raise ValueError(f"KV source layer {s} must also be an index source (it owns the index keys)")
+    for i in range(n):
+        if not c.compress_ratios[i]:
+            continue
+        src, isrc = c.kv_source(i), c.index_source(i)
+        if src is None or isrc is None:
+            raise ValueError(f"compressed layer {i} has no KV source or index source at or below it")
+        if c.compress_ratios[i] != c.compress_ratios[src] or c.kv_source(isrc) != src:
+            raise ValueError(f"layer {i} disagrees with its KV source {src} (ratio or index source)")
+    cs = c.candidate_source_layer_id
+    if cs >= 0:
+        if cs not in c.index_source_layer_ids or c.candidate_block_size < 1 or c.candidate_topk_blocks < 1:
+            raise ValueError("candidate_source_layer_id must be an index source with blocks set")
+    if len(c.engram_num_embeddings) != len(c.engram_layer_ids):
+        raise ValueError("engram_num_embeddings needs one entry per Engram layer")
+    if c.replay_keep_tokens and c.replay_keep_tokens < c.sliding_window:
+        raise ValueError("replay_keep_tokens must be 0 (off) or at least sliding_window")
 
 
 def _v4_layer_fields(cfg: dict, n: int) -> dict:
@@ -302,7 +444,89 @@ def _v4_flash_ratios(n: int = 43) -> tuple[int, ...]:
     return tuple([0, 0] + [4 if i % 2 == 0 else 128 for i in range(2, n)])
 
 
+def _v41_flash() -> ModelConfig:
+    """DeepSeek-V4.1-Flash as its config.json describes it (text model; 3 DSpark layers)."""
+    return ModelConfig(
+        model_type="deepseek_v41",
+        hidden_size=5120,
+        num_hidden_layers=40,
+        q_lora_rank=1280,
+        compress_ratios=(0, 0) + (2,) * 18 + (1,) * 20,
+        kv_source_layer_ids=(2, 8, 14, 20),
+        index_source_layer_ids=(2, 8, 14, 20, 24, 28, 32, 36),
+        candidate_source_layer_id=20,
+        candidate_topk_blocks=2048,
+        candidate_block_size=8,
+        index_n_heads=32,
+        n_routed_experts=384,
+        moe_intermediate_size=2304,
+        num_hash_layers=0,
+        num_nextn_predict_layers=3,
+        rms_norm_eps=1e-20,
+        engram_layer_ids=(1, 14),
+        engram_num_embeddings=(384006168, 384016682),
+        engram_compressed_vocab_size=99092,
+        dspark_block_size=5,
+        dspark_noise_token_id=128799,
+        dspark_target_layer_ids=(37, 38, 39),
+        dspark_markov_rank=256,
+        dspark_n_routed_experts=128,
+        dspark_num_experts_per_tok=3,
+        replay_keep_tokens=140,
+    )
+
+
 PRESETS: dict[str, ModelConfig] = {
+    "deepseek-v4.1-flash": _v41_flash(),
+    # Every V4.1 feature at toy size: ratios 2 and 1, two KV sources with readers, a candidate source
+    # feeding a later index source, Engram at two layers, a 3-layer drafter on layers 4 and 5.
+    "tiny-v41": ModelConfig(
+        model_type="deepseek_v41",
+        vocab_size=512,
+        hidden_size=64,
+        num_hidden_layers=6,
+        num_attention_heads=4,
+        head_dim=32,
+        qk_rope_head_dim=8,
+        q_lora_rank=32,
+        o_lora_rank=16,
+        o_groups=2,
+        sliding_window=8,
+        compress_ratios=(0, 2, 2, 1, 1, 1),
+        kv_source_layer_ids=(1, 3),
+        index_source_layer_ids=(1, 3, 5),
+        candidate_source_layer_id=3,
+        candidate_topk_blocks=3,
+        candidate_block_size=4,
+        index_n_heads=16,
+        index_head_dim=16,
+        index_topk=6,
+        hc_mult=2,
+        n_routed_experts=8,
+        num_experts_per_tok=2,
+        moe_intermediate_size=32,
+        num_hash_layers=0,
+        num_nextn_predict_layers=3,
+        rope_factor=4.0,
+        original_max_position_embeddings=64,
+        max_position_embeddings=4096,
+        rms_norm_eps=1e-20,
+        engram_layer_ids=(1, 3),
+        engram_num_embeddings=(211, 233),
+        engram_max_ngram_size=3,
+        engram_n_heads=2,
+        engram_head_dim=8,
+        engram_vocab_size=31,
+        engram_compressed_vocab_size=300,
+        dspark_block_size=4,
+        dspark_noise_token_id=511,
+        dspark_target_layer_ids=(4, 5),
+        dspark_markov_rank=8,
+        dspark_n_routed_experts=4,
+        dspark_num_experts_per_tok=2,
+        replay_keep_tokens=12,
+        dtype="float32",
+    ),
     "deepseek-v4-flash": ModelConfig(compress_ratios=_v4_flash_ratios()),
     "deepseek-v3": ModelConfig(
         model_type="deepseek_v3",
@@ -387,10 +611,11 @@ PRESETS: dict[str, ModelConfig] = {
 
 
 def preset(name: str, **overrides) -> ModelConfig:
-    """A named config (`deepseek-v4-flash`, `deepseek-v3`, `tiny-v4`, `tiny-v3`) with field overrides."""
+    """A named config (`deepseek-v4-flash`, `deepseek-v4.1-flash`, `deepseek-v3`, `tiny-v4`, `tiny-v41`,
+    `tiny-v3`) with field overrides."""
     if name not in PRESETS:
         raise ValueError(f"unknown preset {name!r}; known: {sorted(PRESETS)}")
     return PRESETS[name].replace(**overrides) if overrides else PRESETS[name]
 
 
-__all__ = ["ModelConfig", "SamplingParams", "PRESETS", "preset", "SLIDING", "CSA", "HCA", "CSA_RATIO"]
+__all__ = ["ModelConfig", "SamplingParams", "PRESETS", "preset", "SLIDING", "CSA", "HCA", "SHARED", "CSA_RATIO"]

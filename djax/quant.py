@@ -1,4 +1,4 @@
-"""Block-quantized weights (FP8 e4m3 / FP4 e2m1 with per-block scales) kept as they are on disk."""
+"""Block-quantized weights (FP8 e4m3 with per-block float32 scales) kept as they are on disk."""
 
 from __future__ import annotations
 
@@ -6,15 +6,22 @@ from dataclasses import dataclass, field
 
 import jax
 import jax.numpy as jnp
+import ml_dtypes
+import numpy as np
+from jax.sharding import NamedSharding, PartitionSpec, Sharding
+
+FP8 = jnp.dtype(ml_dtypes.float8_e4m3fn)
+FP8_MAX = float(ml_dtypes.finfo(ml_dtypes.float8_e4m3fn).max)  # 448
 
 
 @jax.tree_util.register_dataclass
 @dataclass(frozen=True)
 class QArray:
-    """values[..., o, i] in a narrow float type; scale[..., o / block[0], i / block[1]] float32.
+    """values[..., o, i] in a narrow float type; scale f32[..., ceil(o / block[0]), ceil(i / block[1])].
 
-    The dense weight is values * scale broadcast over each block. The model dequantizes on use
-    (`dense`), so only the narrow bytes live in memory between steps.
+    The dense weight is values * scale broadcast over each block (the last block of a dim may be
+    partial). Leading dims (stacked experts) index both arrays alike: `q[e]` is expert e. The model
+    dequantizes on use (`dense`), so only the narrow bytes live in memory between steps.
     """
 
     values: jax.Array
@@ -22,18 +29,32 @@ class QArray:
     block: tuple[int, int] = field(metadata=dict(static=True), default=(128, 128))
 
     @property
-    def shape(self):
-        return self.values.shape
+    def shape(self) -> tuple[int, ...]:
+        return tuple(self.values.shape)
 
     @property
     def dtype(self):
         return self.values.dtype
 
+    @property
+    def ndim(self) -> int:
+        return len(self.values.shape)
+
+    def __getitem__(self, idx) -> QArray:
+        """Index the leading (non-block) dims, e.g. one expert of a stacked [e, o, i] weight."""
+        idx = idx if isinstance(idx, tuple) else (idx,)
+        if len(idx) > self.ndim - 2:
+            raise IndexError(f"QArray of shape {self.shape} can only be indexed on its leading dims")
+        return QArray(self.values[idx], self.scale[idx], self.block)
+
     def dense(self, dtype=jnp.bfloat16) -> jax.Array:
+        """values * scale (computed in float32), cast to dtype."""
         bo, bi = self.block
-        *lead, o, i = self.values.shape
-        s = jnp.repeat(jnp.repeat(self.scale.astype(jnp.float32), bo, axis=-2), bi, axis=-1)[..., :o, :i]
-        return (self.values.astype(jnp.float32) * s).astype(dtype)
+        *_, o, i = self.values.shape
+        s = jnp.repeat(jnp.repeat(jnp.asarray(self.scale, jnp.float32), bo, axis=-2), bi, axis=-1)[
+            ..., :o, :i
+        ]
+        return (jnp.asarray(self.values).astype(jnp.float32) * s).astype(dtype)
 
 
 def dense(w, dtype) -> jax.Array:
@@ -41,3 +62,44 @@ def dense(w, dtype) -> jax.Array:
     if isinstance(w, QArray):
         return w.dense(dtype)
     return w.astype(dtype)
+
+
+def quantize(w, block: tuple[int, int] = (128, 128)) -> QArray:
+    """Block-wise FP8 e4m3 quantization of w [..., o, i]: each block's max |w| maps to 448.
+
+    Returns a QArray with values e4m3[..., o, i] and scale f32[..., ceil(o / bo), ceil(i / bi)],
+    scale = amax / 448 (a tiny floor for all-zero blocks). A numpy w is quantized on the host with
+    numpy (what checkpoint writing wants); a jax w with jnp (jittable with `block` static).
+    """
+    xp = np if isinstance(w, np.ndarray) else jnp
+    bo, bi = block
+    w = xp.asarray(w, xp.float32)
+    *lead, o, i = w.shape
+    no, ni = -(-o // bo), -(-i // bi)
+    padded = xp.pad(w, [(0, 0)] * len(lead) + [(0, no * bo - o), (0, ni * bi - i)])
+    blocks = padded.reshape(*lead, no, bo, ni, bi)
+    amax = xp.max(xp.abs(blocks), axis=(-3, -1))  # f32[..., no, ni]
+    scale = (xp.maximum(amax, xp.float32(1e-12)) * xp.float32(1 / FP8_MAX)).astype(xp.float32)
+    q = (blocks / scale[..., :, None, :, None]).reshape(*lead, no * bo, ni * bi)[..., :o, :i]
+    return QArray(xp.clip(q, -FP8_MAX, FP8_MAX).astype(FP8), scale, (bo, bi))
+
+
+def scale_shape(shape: tuple[int, ...], block: tuple[int, int]) -> tuple[int, ...]:
+    """The block-scale shape of a weight of `shape`: the last two dims divided by block, rounded up."""
+    return (*shape[:-2], *(-(-n // b) for n, b in zip(shape[-2:], block)))
+
+
+def scale_sharding(sharding: Sharding, shape: tuple[int, ...]) -> Sharding:
+    """How a block scale of `shape` shards when its weight shards as `sharding`.
+
+    A NamedSharding keeps the weight's mesh axes on every dim the (smaller) scale dim still
+    divides, and replicates the others; any other sharding is used as it is.
+    """
+    if not isinstance(sharding, NamedSharding):
+        return sharding
+    sizes = dict(sharding.mesh.shape)
+    spec = []
+    for dim, entry in zip(shape, (*sharding.spec, *(None,) * len(shape))):
+        axes = () if entry is None else (entry,) if isinstance(entry, str) else tuple(entry)
+        spec.append(entry if dim % int(np.prod([sizes[a] for a in axes])) == 0 else None)
+    return NamedSharding(sharding.mesh, PartitionSpec(*spec))

@@ -9,7 +9,7 @@ from __future__ import annotations
 
 import json
 import struct
-from collections.abc import Mapping
+from collections.abc import Callable, Mapping
 from pathlib import Path
 from typing import Any
 
@@ -73,31 +73,50 @@ class SafetensorsFile:
         return np.frombuffer(raw, dtype=DTYPES[info["dtype"]]).reshape(info["shape"])
 
 
+class Lazy:
+    """A tensor made only when `save_file` writes its bytes (`np.asarray`); shape and dtype known ahead."""
+
+    def __init__(self, shape: tuple[int, ...], dtype: Any, make: Callable[[], Any]):
+        self.shape, self.dtype, self.make = tuple(shape), np.dtype(dtype), make
+
+    def __array__(self, dtype=None, copy=None) -> np.ndarray:
+        return np.asarray(self.make(), dtype=dtype)
+
+
 def nbytes(shape: tuple[int, ...], dtype: Any) -> int:
     return int(np.prod(shape, dtype=np.int64)) * np.dtype(dtype).itemsize
 
 
 def save_file(tensors: Mapping[str, Any], path: str | Path, metadata: dict[str, str] | None = None) -> None:
-    """Write arrays (anything with `.shape` / `.dtype` that `np.asarray` reads: numpy, jax) as one file.
+    """Write arrays (anything with `.shape` / `.dtype` that `np.asarray` reads: numpy, jax, `Lazy`) as one file.
 
-    Each tensor is converted to numpy only when its bytes are written, so a jax array is fetched
-    from the device one at a time. Every dtype in DTYPES can be written (bf16 and FP8 included).
+    Tensors are laid out in the mapping's order, each converted to numpy only when its bytes are
+    written, so jax arrays (or lazy stand-ins) are fetched one at a time. Every dtype in DTYPES can
+    be written (bf16 and FP8 included).
     """
     header: dict = {"__metadata__": dict(metadata or {"format": "pt"})}
     offset = 0
-    for name in sorted(tensors):
-        a = tensors[name]
+    for name, a in tensors.items():
         dtype = np.dtype(a.dtype)
         if dtype not in NAMES:
             raise ValueError(f"tensor {name!r}: dtype {dtype} cannot be written to safetensors")
         size = nbytes(tuple(a.shape), dtype)
-        header[name] = {"dtype": NAMES[dtype], "shape": list(a.shape), "data_offsets": [offset, offset + size]}
+        header[name] = {
+            "dtype": NAMES[dtype],
+            "shape": list(a.shape),
+            "data_offsets": [offset, offset + size],
+        }
         offset += size
     blob = json.dumps(header, separators=(",", ":")).encode()
     blob += b" " * (-len(blob) % 8)
     with open(path, "wb") as f:
         f.write(struct.pack("<Q", len(blob)))
         f.write(blob)
-        for name in sorted(tensors):
-            a = np.ascontiguousarray(np.asarray(tensors[name]))
+        for name, a in tensors.items():
+            info = header[name]
+            a = np.ascontiguousarray(np.asarray(a))
+            if list(a.shape) != info["shape"] or NAMES.get(a.dtype) != info["dtype"]:
+                raise ValueError(
+                    f"tensor {name!r} gave {a.dtype}{list(a.shape)}, announced {info['dtype']}{info['shape']}"
+                )
             f.write(a.reshape(-1).view(np.uint8).data)

@@ -2,16 +2,15 @@
 
 from __future__ import annotations
 
-import re
-
 import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
 
+from djax.checkpoint import load_checkpoint
 from djax.config import preset
 from djax.models import deepseek_v3 as v3
-from djax.params import flatten_names, is_param, unflatten_names
+from djax.params import is_param
 
 CFG = preset("tiny-v3")
 
@@ -59,22 +58,10 @@ def _hf_model(tmp_path):
 
 
 def _load_hf(path) -> dict:
-    """HF safetensors -> djax tree through `canonical_name`, stacking per-expert tensors."""
-    from safetensors.numpy import load_file
-
-    flat, experts = {}, {}
-    for hf_name, t in load_file(str(path / "model.safetensors")).items():
-        name = v3.canonical_name(hf_name, CFG)
-        m = re.fullmatch(r"(.*\.experts)\.(\d+)\.(w[123])", name or "")
-        if m:
-            experts.setdefault(f"{m[1]}.{m[3]}", {})[int(m[2])] = t
-        elif name is not None:
-            flat[name] = t
-    for name, per in experts.items():
-        flat[name] = np.stack([per[e] for e in range(len(per))])
-    decl = v3.declare(CFG)
-    assert set(flat) == set(flatten_names(decl))
-    return jax.tree.map(jnp.asarray, unflatten_names(flat, decl))
+    """The HF save_pretrained directory through djax's own checkpoint loader (config round trip included)."""
+    config, params = load_checkpoint(path, progress=False)
+    assert config == CFG
+    return params
 
 
 def test_canonical_names():
