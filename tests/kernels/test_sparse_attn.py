@@ -64,14 +64,17 @@ def test_ref_bf16_close_to_f32():
 
 
 def test_ref_matches_model_attend():
-    from djax.models.deepseek_v4 import _attend
+    """The kernel spec is the model's decode attention: masked logits, softmax with the sink, K = V."""
+    from djax.models.deepseek_v4 import _softmax_with_sink
 
     rng = np.random.default_rng(3)
     q, win, valid, pool, topk, sinks = map(jnp.asarray, _inputs(rng, 3, 4, 16, 10, 30, 12))
     ok = topk >= 0
     keys = jnp.concatenate([win, jnp.take_along_axis(pool, jnp.maximum(topk, 0)[..., None], axis=1)], axis=1)
     mask = jnp.concatenate([valid, ok], axis=1)
-    model = _attend(q[:, None], keys[:, None], mask[:, None], sinks, 0.25)[:, 0]
+    logits = jnp.einsum("bhk,bsk->bhs", q, keys, precision="highest")[:, :, None] * 0.25  # [b, h, 1, s]
+    probs = _softmax_with_sink(jnp.where(mask[:, None, None], logits, -jnp.inf), sinks)
+    model = jnp.einsum("bhts,bsk->bhk", probs, keys, precision="highest")
     assert_close(sparse_decode_ref(q, win, valid, pool, topk, sinks, 0.25), model, 1e-6)
 
 
