@@ -2,6 +2,7 @@
 
 from djax.checkpoint import CheckpointError, load_checkpoint, save_pretrained
 from djax.config import PRESETS, ModelConfig, SamplingParams, preset
+from djax.engine import LLM, CompletionOutput, Engine, EngineConfig, RequestOutput, RequestParams
 from djax.generate import Batch, Generated, generate
 from djax.orbax_io import restore_params, save_params
 from djax.params import abstract_params, init_params
@@ -12,6 +13,12 @@ __version__ = "0.1.0"
 
 __all__ = [
     "Batch",
+    "CompletionOutput",
+    "Engine",
+    "EngineConfig",
+    "LLM",
+    "RequestOutput",
+    "RequestParams",
     "DEFAULT_RULES",
     "ShardingRules",
     "constrain",

@@ -51,10 +51,12 @@ def test_greedy_generate_equals_forward_rollout(model):
     prompts = [[5, 6, 7], [9, 8, 7, 6, 5, 4, 3, 2, 1, 10, 11]]
     out = djax.generate(params, djax.Batch.from_lists(prompts), cfg, djax.SamplingParams(), 24)
     assert out.tokens.shape == (2, 24)
+    width = 48  # one padded width: the forward is causal, so trailing padding changes no earlier logit
     for r, p in enumerate(prompts):
         seq = list(p)
         for _ in range(24):
-            logits = djax.forward(params, jnp.asarray([seq]), cfg)
-            seq.append(int(jnp.argmax(logits[0, -1])))
+            padded = jnp.asarray([seq + [0] * (width - len(seq))])
+            logits = djax.forward(params, padded, cfg)
+            seq.append(int(jnp.argmax(logits[0, len(seq) - 1])))
         n = int(out.num_tokens[r])
         assert out.to_lists()[r] == seq[len(p) : len(p) + n]

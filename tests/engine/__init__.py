@@ -1,0 +1,1 @@
+"""Engine tests: scheduler, paging, prefix cache, sampling, validation."""
