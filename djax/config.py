@@ -196,7 +196,9 @@ class ModelConfig:
         cfg = dict(cfg.get("text_config", cfg))
         mt = cfg.get("model_type", "deepseek_v4")
         if mt not in (*V4_FAMILY, "deepseek_v3"):
-            raise ValueError(f"unsupported model_type {mt!r} (djax reads deepseek_v4, deepseek_v41 and deepseek_v3)")
+            raise ValueError(
+                f"unsupported model_type {mt!r} (djax reads deepseek_v4, deepseek_v41 and deepseek_v3)"
+            )
         names = {f.name for f in dataclasses.fields(cls)}
         kw = {k: v for k, v in cfg.items() if k in names and v is not None}
         kw["model_type"] = mt
@@ -512,7 +514,7 @@ PRESETS: dict[str, ModelConfig] = {
         max_position_embeddings=4096,
         rms_norm_eps=1e-20,
         engram_layer_ids=(1, 3),
-        engram_num_embeddings=(211, 233),
+        engram_num_embeddings=(152, 220),
         engram_max_ngram_size=3,
         engram_n_heads=2,
         engram_head_dim=8,
@@ -618,4 +620,14 @@ def preset(name: str, **overrides) -> ModelConfig:
     return PRESETS[name].replace(**overrides) if overrides else PRESETS[name]
 
 
-__all__ = ["ModelConfig", "SamplingParams", "PRESETS", "preset", "SLIDING", "CSA", "HCA", "SHARED", "CSA_RATIO"]
+__all__ = [
+    "ModelConfig",
+    "SamplingParams",
+    "PRESETS",
+    "preset",
+    "SLIDING",
+    "CSA",
+    "HCA",
+    "SHARED",
+    "CSA_RATIO",
+]

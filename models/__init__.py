@@ -7,7 +7,7 @@ from djax.config import ModelConfig
 
 def model_module(config: ModelConfig) -> ModuleType:
     """The module implementing `config.model_type` (declare / forward / prefill / decode_step)."""
-    if config.model_type == "deepseek_v4":
+    if config.model_type in ("deepseek_v4", "deepseek_v41"):
         from djax.models import deepseek_v4
 
         return deepseek_v4

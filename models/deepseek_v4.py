@@ -10,11 +10,14 @@ The residual is `hc_mult` streams mixed by mHC around every block.
 
 from __future__ import annotations
 
+import functools
+
 import jax
 import jax.numpy as jnp
 import numpy as np
 
 from djax.config import CSA, SLIDING, ModelConfig
+from djax.models import engram
 from djax.models.layers import (
     apply_rope_interleaved,
     linear,
@@ -23,7 +26,7 @@ from djax.models.layers import (
     rope_inv_freq,
     unit_rms_norm,
 )
-from djax.models.mhc import hc_head, hc_post, hc_pre
+from djax.models.mhc import hc_head, hc_post, hc_pre, sinkhorn
 from djax.models.moe import moe
 from djax.params import Param
 from djax.quant import dense
@@ -76,8 +79,37 @@ def _attention(cfg: ModelConfig, ratio: int, layer_type: str) -> dict:
     return p
 
 
-def _ffn(cfg: ModelConfig, hashed: bool) -> dict:
-    d, f, e = cfg.hidden_size, cfg.moe_intermediate_size, cfg.n_routed_experts
+def _shared_attention(cfg: ModelConfig, i: int) -> dict:
+    """V4.1 attention: no per-layer compressor unless layer i is a KV source; indexer on index sources only."""
+    p = _attention(cfg, 0, SLIDING)
+    k, ik, m = cfg.head_dim, cfg.index_head_dim, cfg.compress_ratios[i]
+    if i in cfg.kv_source_layer_ids:
+        # Ratio 2 gates a pair of tokens; ratio 1 is a plain projection (one latent per token).
+        p["compressor"] = {"wkv": _w(k, cfg.hidden_size, None, "embed"), "norm": _norm(k)}
+        if m > 1:
+            p["compressor"]["wgate"] = _w(k, cfg.hidden_size, None, "embed")
+    if i in cfg.index_source_layer_ids:
+        p["indexer"] = {
+            "wq_b": _w(cfg.index_n_heads * ik, cfg.q_lora_rank, None, "q_lora"),
+            "weights_proj": _w(cfg.index_n_heads, cfg.hidden_size, None, "embed"),
+        }
+        if i in cfg.kv_source_layer_ids:  # index keys derive from the compressor latent
+            p["indexer"].update(wk=_w(ik, k, None, None), k_norm=_norm(ik))
+    return p
+
+
+def _engram(cfg: ModelConfig, rows: int) -> dict:
+    n, d, cols = cfg.hc_mult, cfg.hidden_size, cfg.engram_columns
+    return {
+        "embed": {"weight": Param((rows, cfg.engram_head_dim), (None, None))},
+        "wkv": _w((n + 1) * d, cols * cfg.engram_head_dim, None, None),
+        "q_weight": Param((n, d), (None, None), "float32", "ones"),
+        "k_weight": Param((n, d), (None, None), "float32", "uniform"),
+    }
+
+
+def _ffn(cfg: ModelConfig, hashed: bool, experts: int | None = None) -> dict:
+    d, f, e = cfg.hidden_size, cfg.moe_intermediate_size, experts or cfg.n_routed_experts
     gate = {"weight": Param((e, d), ("experts_r", "embed"))}
     if hashed:
         gate["tid2eid"] = Param(
@@ -85,6 +117,8 @@ def _ffn(cfg: ModelConfig, hashed: bool) -> dict:
         )
     else:
         gate["bias"] = Param((e,), (None,), "float32", "uniform")
+        if cfg.is_v41:  # V4.1's selection bias for image tokens; djax reads text only, kept for loading
+            gate["bias_vl"] = Param((e,), (None,), "float32", "uniform")
     fs = f * cfg.n_shared_experts
     return {
         "gate": gate,
@@ -111,16 +145,19 @@ def _hc(cfg: ModelConfig, prefix: str) -> dict:
     }
 
 
-def _block(cfg: ModelConfig, ratio: int, layer_type: str, hashed: bool) -> dict:
+def _block(cfg: ModelConfig, ratio: int, layer_type: str, hashed: bool, i: int = -1, experts=None) -> dict:
     d = cfg.hidden_size
-    return {
+    b = {
         "attn_norm": _norm(d),
         "ffn_norm": _norm(d),
-        "attn": _attention(cfg, ratio, layer_type),
-        "ffn": _ffn(cfg, hashed),
+        "attn": _shared_attention(cfg, i) if cfg.is_v41 and i >= 0 else _attention(cfg, ratio, layer_type),
+        "ffn": _ffn(cfg, hashed, experts),
         **_hc(cfg, "hc_attn"),
         **_hc(cfg, "hc_ffn"),
     }
+    if i in cfg.engram_layer_ids:
+        b["engram"] = _engram(cfg, cfg.engram_num_embeddings[cfg.engram_layer_ids.index(i)])
+    return b
 
 
 def _head_hc(cfg: ModelConfig, prefix: str) -> dict:
@@ -138,13 +175,23 @@ def declare(cfg: ModelConfig, with_mtp: bool = True) -> dict:
     tree = {
         "embed": {"weight": Param((v, d), ("vocab", "embed"))},
         "layers": [
-            _block(cfg, cfg.compress_ratios[i], cfg.layer_type(i), cfg.is_hash_layer(i))
+            _block(cfg, cfg.compress_ratios[i], cfg.layer_type(i), cfg.is_hash_layer(i), i)
             for i in range(cfg.num_hidden_layers)
         ],
         "norm": _norm(d),
         "head": {"weight": Param((v, d), ("vocab", "embed"))},
-        **_head_hc(cfg, "hc_head"),
     }
+    if not cfg.hc_deferred:
+        tree.update(_head_hc(cfg, "hc_head"))
+    if cfg.engram_layer_ids:
+        # Token id -> compressed (normalised) id. Built from the tokenizer, not stored in checkpoints.
+        tree["engram_token_map"] = Param((v,), (None,), "int32", "hash", cfg.engram_compressed_vocab_size)
+    if cfg.is_v41:
+        if with_mtp and cfg.num_nextn_predict_layers:
+            from djax.models.dspark import declare_drafter
+
+            tree["mtp"] = declare_drafter(cfg)
+        return tree
     if with_mtp and cfg.num_nextn_predict_layers:
         # The multi-token-prediction layer(s): a sliding-window block fed by the embedding of the next
         # token and the main model's last hidden streams. Declared and loaded; not used for decoding yet.
@@ -213,7 +260,17 @@ def pool_windows(kv: jax.Array, gate: jax.Array, norm_w: jax.Array, eps: float) 
 
 
 def compressor_extend(
-    p: dict, x, st: dict, names, pos0, valid, cfg: ModelConfig, ratio: int, overlap: bool, width: int
+    p: dict,
+    x,
+    st: dict,
+    names,
+    pos0,
+    valid,
+    cfg: ModelConfig,
+    ratio: int,
+    overlap: bool,
+    width: int,
+    index=None,
 ):
     """Feed the chunk x [b, c, d] (positions pos0 + j, the first `valid` real) to one compressor.
 
@@ -227,7 +284,11 @@ def compressor_extend(
     ring = st[kv_k].shape[1]
     m = ratio
     raw_kv = linear(x, p["wkv"]["weight"]).astype(st[kv_k].dtype)
-    raw_gate = linear(x, p["wgate"]["weight"]).astype(st[gate_k].dtype)
+    if "wgate" in p:
+        raw_gate = linear(x, p["wgate"]["weight"]).astype(st[gate_k].dtype)
+    else:  # ratio 1: a window of one token, its softmax weight is 1
+        raw_gate = jnp.zeros_like(raw_kv).astype(st[gate_k].dtype)
+    ape = p["ape"] if "ape" in p else 0.0
     start = pos0 - ring  # position of combined index 0
     comb_kv = jnp.concatenate([ordered_ring(st[kv_k], start), raw_kv], axis=1)  # [b, R + c, C]
     comb_gate = jnp.concatenate([ordered_ring(st[gate_k], start), raw_gate], axis=1)
@@ -239,19 +300,26 @@ def compressor_extend(
         flat = jnp.clip(idx, 0, a.shape[1] - 1).reshape(b, -1)
         return jnp.take_along_axis(a, flat[..., None], axis=1).reshape(*idx.shape, a.shape[-1])
 
-    kv, gate = take(comb_kv, cur), take(comb_gate, cur).astype(F32) + p["ape"]
+    kv, gate = take(comb_kv, cur), take(comb_gate, cur).astype(F32) + ape
     if overlap:
-        prev_kv, prev_gate = take(comb_kv, cur - m), take(comb_gate, cur - m).astype(F32) + p["ape"]
+        prev_kv, prev_gate = take(comb_kv, cur - m), take(comb_gate, cur - m).astype(F32) + ape
         prev_gate = jnp.where((w > 0)[..., None, None], prev_gate[..., :width], NEG_INF)
         kv = jnp.concatenate([prev_kv[..., :width], kv[..., width:]], axis=2)
         gate = jnp.concatenate([prev_gate, gate[..., width:]], axis=2)
-    entries = pool_windows(kv, gate, p["norm"]["weight"], cfg.rms_norm_eps)  # [b, nw, width]
-    entries = _rotate(entries, w * m, _rope(cfg, CSA), heads=False)
+    latent = pool_windows(kv, gate, p["norm"]["weight"], cfg.rms_norm_eps)  # [b, nw, width]
+    entries = _rotate(latent, w * m, _rope(cfg, CSA), heads=False)
     closes = (w + 1) * m <= (pos0 + valid)[:, None]
     rows = jnp.arange(b)[:, None]
     pool = st[pool_k]
     target = jnp.where(closes, w, pool.shape[1])  # out of range: dropped
     st[pool_k] = pool.at[rows, target].set(entries.astype(pool.dtype), mode="drop")
+    if index is not None:  # V4.1: the index key is a projection of the (un-rotated) latent
+        wk, k_norm = index
+        ikey = rms_norm(linear(latent, wk["weight"]), k_norm["weight"], cfg.rms_norm_eps)
+        ikey = _rotate(ikey, w * m, _rope(cfg, CSA), heads=False)
+        st["index_pool"] = (
+            st["index_pool"].at[rows, target].set(ikey.astype(st["index_pool"].dtype), mode="drop")
+        )
     first = valid  # the new ring holds positions pos0 + valid - R .. pos0 + valid - 1
     st[kv_k] = _place_ring(refill_ring(comb_kv, first, ring), pos0 + valid - ring)
     st[gate_k] = _place_ring(refill_ring(comb_gate, first, ring), pos0 + valid - ring)
@@ -278,7 +346,9 @@ def _q_kv(p: dict, x: jax.Array, pos: jax.Array, cfg: ModelConfig, inv_freq):
     h, k = cfg.num_attention_heads, cfg.head_dim
     q_res = rms_norm(linear(x, p["wq_a"]["weight"]), p["q_norm"]["weight"], cfg.rms_norm_eps)
     q = linear(q_res, p["wq_b"]["weight"]).reshape(*x.shape[:-1], h, k)
-    q = _rotate(unit_rms_norm(q, cfg.rms_norm_eps), pos, inv_freq, heads=True)
+    if cfg.q_head_norm:
+        q = unit_rms_norm(q, cfg.rms_norm_eps)
+    q = _rotate(q, pos, inv_freq, heads=True)
     kv = rms_norm(linear(x, p["wkv"]["weight"]), p["kv_norm"]["weight"], cfg.rms_norm_eps)
     kv = _rotate(kv, pos, inv_freq, heads=False)
     return q_res, q, kv
@@ -300,12 +370,79 @@ def _softmax_with_sink(logits: jax.Array, sinks: jax.Array) -> jax.Array:
     return jax.nn.softmax(jnp.concatenate([logits, sink], axis=-1), axis=-1)[..., :-1]
 
 
-def attention_extend(p: dict, x: jax.Array, st: dict, pos0, valid, cfg: ModelConfig, layer: int):
+def _candidate_blocks(scores: jax.Array, cfg: ModelConfig) -> jax.Array:
+    """Two-level indexer, first level: bool[b, t, C] marking the positions of the `candidate_topk_blocks`
+    blocks of `candidate_block_size` compressed positions whose best (max) score is highest."""
+    bs = cfg.candidate_block_size
+    cap = scores.shape[-1]
+    nb = -(-cap // bs)
+    padded = jnp.pad(scores, ((0, 0), (0, 0), (0, nb * bs - cap)), constant_values=NEG_INF)
+    block = padded.reshape(*scores.shape[:-1], nb, bs).max(-1)  # [b, t, nb]
+    best, top = jax.lax.top_k(block, min(cfg.candidate_topk_blocks, nb))
+    keep = jnp.zeros(block.shape, bool)
+    keep = keep.at[
+        jnp.arange(block.shape[0])[:, None, None], jnp.arange(block.shape[1])[None, :, None], top
+    ].set(jnp.isfinite(best))
+    return jnp.repeat(keep, bs, axis=-1)[..., :cap]
+
+
+def select_entries(scores: jax.Array, k: int) -> tuple[jax.Array, jax.Array]:
+    """Top-k of f32[b, t, C] scores (-inf = not eligible): (indices int32[b, t, k], eligible bool[b, t, k])."""
+    best, top = jax.lax.top_k(scores, min(k, scores.shape[-1]))
+    return top, jnp.isfinite(best)
+
+
+def _shared_compressed(p, x, q_res, pos, pos0, valid, st, shared, sel, cfg: ModelConfig, layer: int):
+    """V4.1 compressed keys of `layer`: (pool [b, C, k], top [b, t, k], eligible [b, t, k]).
+
+    A KV-source layer runs its compressor into its own state; other layers read the pools of their
+    source (`shared`, already advanced over this chunk). Index sources score the visible entries
+    (after the candidate source, only inside its candidate blocks); other layers reuse the nearest
+    index source's selection through `sel`.
+    """
+    ratio, src = cfg.compress_ratios[layer], cfg.kv_source(layer)
+    if src == layer:
+        ix = p["indexer"]
+        compressor_extend(
+            p["compressor"], x, st, ("pool", "ring_kv", "ring_gate"), pos0, valid, cfg, ratio, False,
+            cfg.head_dim, index=(ix["wk"], ix["k_norm"]),
+        )  # fmt: skip
+        shared = st
+    pool, ipool = shared["pool"], shared["index_pool"]
+    if layer in cfg.index_source_layer_ids:
+        cap = pool.shape[1]
+        visible = jnp.arange(cap)[None, None, :] < ((pos + 1) // ratio)[..., None]
+        iq, iw = _indexer_query(p["indexer"], x, q_res, pos, cfg)
+        scores = jnp.where(visible, index_scores(iq, ipool, iw, cfg), NEG_INF)
+        cs = cfg.candidate_source_layer_id
+        if layer == cs:
+            sel["candidates"] = _candidate_blocks(scores, cfg)
+        elif 0 <= cs < layer and cfg.kv_source(cs) == src:
+            scores = jnp.where(sel["candidates"], scores, NEG_INF)
+        sel[layer] = select_entries(scores, cfg.index_topk)
+    top, ok = sel[cfg.index_source(layer)]
+    return pool, top, ok
+
+
+def attention_extend(
+    p: dict,
+    x: jax.Array,
+    st: dict,
+    pos0,
+    valid,
+    cfg: ModelConfig,
+    layer: int,
+    shared=None,
+    sel=None,
+    floor=None,
+):
     """Attention for a chunk x [b, c, d] at positions pos0[b] + j given the layer's decoder state.
 
-    Keys: the sliding window (ring of the previous `sliding_window` positions plus the chunk) and,
-    on compressed layers, the pool entries visible to each query (CSA: the indexer's top-k of them).
-    Only the first valid[b] chunk positions of a row are written to its state. Returns (out [b, c, d], state).
+    Keys: the sliding window (ring of the previous positions plus the chunk; keys below `floor[b]`,
+    default 0, are masked) and, on compressed layers, the pool entries visible to each query (CSA
+    and V4.1: the indexer's top-k of them). Only the first valid[b] chunk positions of a row are
+    written to its state. V4.1 readers get their source's state in `shared` and the selections of
+    earlier index sources in `sel` (a dict, updated). Returns (out [b, c, d], state).
     """
     st = dict(st)
     b, c, _ = x.shape
@@ -313,16 +450,20 @@ def attention_extend(p: dict, x: jax.Array, st: dict, pos0, valid, cfg: ModelCon
     inv_freq = _rope(cfg, ltype)
     pos = pos0[:, None] + jnp.arange(c)  # [b, c]
     q_res, q, kv = _q_kv(p, x, pos, cfg, inv_freq)  # q [b, c, h, k]; kv [b, c, k]
-    win = cfg.sliding_window
-    keys = jnp.concatenate([ordered_ring(st["window"], pos0 - win), kv.astype(st["window"].dtype)], axis=1)
-    kpos = pos0[:, None] - win + jnp.arange(win + c)  # [b, W + c]
+    win, r = cfg.sliding_window, st["window"].shape[1]  # a ring larger than the window allows rollback
+    keys = jnp.concatenate([ordered_ring(st["window"], pos0 - r), kv.astype(st["window"].dtype)], axis=1)
+    kpos = pos0[:, None] - r + jnp.arange(r + c)  # [b, R + c]
     dist = pos[:, :, None] - kpos[:, None, :]
-    win_mask = (dist >= 0) & (dist < win) & (kpos[:, None, :] >= 0)  # [b, c, W + c]
-    st["window"] = _place_ring(refill_ring(keys, valid, win), pos0 + valid - win)
+    lo = jnp.zeros_like(pos0) if floor is None else floor
+    win_mask = (dist >= 0) & (dist < win) & (kpos >= lo[:, None])[:, None, :]  # [b, c, R + c]
+    st["window"] = _place_ring(refill_ring(keys, valid, r), pos0 + valid - r)
     scale = cfg.head_dim**-0.5
     logits = [jnp.einsum("bthk,bsk->bhts", q.astype(F32), keys.astype(F32)) * scale]
     masks, values = [win_mask], [keys]
-    if ratio:
+    if ratio and cfg.is_v41:
+        pool, top, ok = _shared_compressed(p, x, q_res, pos, pos0, valid, st, shared, sel, cfg, layer)
+        _add_selected(q, pool, top, ok, scale, logits, masks, values)
+    elif ratio:
         compressor_extend(
             p["compressor"],
             x,
@@ -355,20 +496,9 @@ def attention_extend(p: dict, x: jax.Array, st: dict, pos0, valid, cfg: ModelCon
             iq, iw = _indexer_query(ip, x, q_res, pos, cfg)
             scores = jnp.where(visible, index_scores(iq, st["index_pool"], iw, cfg), NEG_INF)
             _, top = jax.lax.top_k(scores, min(cfg.index_topk, cap))  # [b, c, k]
-            if c == 1:  # decode: read only the chosen entries
-                sel = jnp.take_along_axis(pool, top[:, 0, :, None], axis=1)  # [b, k, hd]
-                logits.append(jnp.einsum("bthk,bsk->bhts", q.astype(F32), sel.astype(F32)) * scale)
-                masks.append(jnp.take_along_axis(visible, top, axis=2))
-                values.append(sel)
-            else:
-                chosen = (
-                    jnp.zeros((b, c, cap), bool)
-                    .at[jnp.arange(b)[:, None, None], jnp.arange(c)[None, :, None], top]
-                    .set(True)
-                )
-                logits.append(jnp.einsum("bthk,bsk->bhts", q.astype(F32), pool.astype(F32)) * scale)
-                masks.append(visible & chosen)
-                values.append(pool)
+            _add_selected(
+                q, pool, top, jnp.take_along_axis(visible, top, axis=2), scale, logits, masks, values
+            )
         else:
             logits.append(jnp.einsum("bthk,bsk->bhts", q.astype(F32), pool.astype(F32)) * scale)
             masks.append(visible)
@@ -379,6 +509,26 @@ def attention_extend(p: dict, x: jax.Array, st: dict, pos0, valid, cfg: ModelCon
     )
     o = jnp.einsum("bhts,bsk->bthk", probs, jnp.concatenate(values, axis=1).astype(F32)).astype(x.dtype)
     return _output(p, o, pos, cfg, inv_freq), st
+
+
+def _add_selected(q, pool, top, ok, scale, logits, masks, values):
+    """Append the keys of the chosen pool entries: gathered for one query, a mask over the pool for a chunk."""
+    b, c = top.shape[:2]
+    if c == 1:  # decode: read only the chosen entries
+        sel = jnp.take_along_axis(pool, top[:, 0, :, None], axis=1)  # [b, k, hd]
+        logits.append(jnp.einsum("bthk,bsk->bhts", q.astype(F32), sel.astype(F32)) * scale)
+        masks.append(ok)
+        values.append(sel)
+    else:
+        cap = pool.shape[1]
+        chosen = (
+            jnp.zeros((b, c, cap), bool)
+            .at[jnp.arange(b)[:, None, None], jnp.arange(c)[None, :, None], top]
+            .set(ok)
+        )
+        logits.append(jnp.einsum("bthk,bsk->bhts", q.astype(F32), pool.astype(F32)) * scale)
+        masks.append(chosen)
+        values.append(pool)
 
 
 # ---- the whole model -----------------------------------------------------------------------------------
@@ -398,40 +548,144 @@ def _hc_args(lp: dict, prefix: str, cfg: ModelConfig):
     )
 
 
+def hc_mix(h: jax.Array, fn, base, scale, iters: int, eps: float, norm_eps: float):
+    """mHC coefficients of streams h [..., n, d] without collapsing: (pre f32[..., n], post, comb f32[..., n, n])."""
+    n = h.shape[-2]
+    flat = h.reshape(*h.shape[:-2], -1).astype(F32)
+    flat = flat * jax.lax.rsqrt(jnp.mean(flat * flat, axis=-1, keepdims=True) + norm_eps)
+    mix = flat @ fn.astype(F32).T
+    pre = jax.nn.sigmoid(mix[..., :n] * scale[0] + base[:n]) + eps
+    post = 2.0 * jax.nn.sigmoid(mix[..., n : 2 * n] * scale[1] + base[n : 2 * n])
+    comb = sinkhorn((mix[..., 2 * n :] * scale[2] + base[2 * n :]).reshape(*mix.shape[:-1], n, n), iters, eps)
+    return pre, post, comb
+
+
+def _collapse(h: jax.Array, pre: jax.Array) -> jax.Array:
+    return jnp.sum(pre[..., None] * h, axis=-2).astype(h.dtype)
+
+
+def _sublayer_mix(h: jax.Array, pre, lp: dict, prefix: str, cfg: ModelConfig):
+    """(block input, post, comb, pre for the next sublayer). Deferred mHC: the mix of this sublayer's
+    input streams gives its post / comb and the next sublayer's pre; its own pre came from before."""
+    if not cfg.hc_deferred:
+        x, post, comb = hc_pre(h, *_hc_args(lp, prefix, cfg))
+        return x, post, comb, None
+    nxt, post, comb = hc_mix(h, *_hc_args(lp, prefix, cfg))
+    return _collapse(h, pre), post, comb, nxt
+
+
 def logits_from_hidden(params: dict, h: jax.Array, cfg: ModelConfig) -> jax.Array:
-    """Collapse the streams h [..., n, d], final norm, head: f32[..., vocab]."""
-    x = hc_head(
-        h, params["hc_head_fn"], params["hc_head_base"], params["hc_head_scale"], cfg.hc_eps, cfg.rms_norm_eps
-    )
+    """Collapse the streams h [..., n, d], final norm, head: f32[..., vocab].
+
+    With deferred mHC, `extend` has already weighted the streams by the last sublayer's pre, so the
+    collapse is a sum (V4.1 has no hc_head tensors)."""
+    if cfg.hc_deferred:
+        x = jnp.sum(h.astype(F32), axis=-2).astype(h.dtype)
+    else:
+        x = hc_head(
+            h,
+            params["hc_head_fn"],
+            params["hc_head_base"],
+            params["hc_head_scale"],
+            cfg.hc_eps,
+            cfg.rms_norm_eps,
+        )
     x = rms_norm(x, params["norm"]["weight"], cfg.rms_norm_eps)
     return linear(x, params["head"]["weight"]).astype(F32)
 
 
-def extend(
-    params: dict, tokens: jax.Array, state: dict, cfg: ModelConfig, valid=None, moe_impl: str = "grouped"
-):
-    """Feed a chunk tokens int[b, c] at positions state['lengths'] + j; the first valid[b] are real.
+def _engram_ids(params: dict, tokens: jax.Array, state: dict, cfg: ModelConfig):
+    """Row ids int32[engram layers, b, c, cols] of the chunk, from the token history in the state."""
+    n = cfg.engram_max_ngram_size
+    win = jnp.concatenate([state["history"][:, state["history"].shape[1] - (n - 1) :], tokens], axis=1)
+    tmap = params["engram_token_map"]
+    comp = jnp.where(win >= 0, tmap[jnp.clip(win, 0, tmap.shape[0] - 1)], tmap[cfg.engram_pad_id])
+    return engram.hash_ids(cfg, comp.astype(jnp.int32))
 
-    The one step function behind forward, prefill, chunked prefill and decode. Returns the last
-    layer's streams [b, c, n, d] and the state with lengths += valid (rows with valid 0 are untouched).
+
+def _take_tail(x: jax.Array, start: jax.Array, keep: int, axis: int = 1) -> jax.Array:
+    idx = start[:, None] + jnp.arange(keep)
+    idx = idx.reshape(idx.shape + (1,) * (x.ndim - axis - 1))
+    if axis == 1:
+        return jnp.take_along_axis(x, idx, axis=1)
+    return jnp.take_along_axis(x, idx[None], axis=axis)
+
+
+def run_layers(
+    params: dict, tokens, state: dict, cfg: ModelConfig, valid=None, moe_impl="grouped", keep: int = 0
+):
+    """`extend` plus what the drafter needs: (streams, state, {target layer: mean attention input [b, c', d]}).
+
+    keep > 0 (SWA bounded replay, prefill only): layers after the last KV source run over only the
+    last `keep` real tokens of each row, their window keys starting at that replay start; the streams
+    returned are then those `keep` positions (row r's last real token at min(valid[r], keep) - 1).
     """
     b, c = tokens.shape
     valid = jnp.full((b,), c, jnp.int32) if valid is None else valid.astype(jnp.int32)
     pos0 = state["lengths"]
     h = _embed(params, tokens, cfg)
-    new_layers = []
+    pre = jnp.full((b, c, cfg.hc_mult), 1.0 / cfg.hc_mult, F32) if cfg.hc_deferred else None
+    new_state = {"lengths": pos0 + valid}
+    ids = None
+    if cfg.engram_layer_ids:
+        ids = _engram_ids(params, tokens, state, cfg)
+        hist = jnp.concatenate([state["history"], tokens], axis=1)
+        new_state["history"] = refill_ring(hist[..., None], valid, state["history"].shape[1])[..., 0]
+    toks, p0, vl, floor = tokens, pos0, valid, None
+    new_layers, sel, aux = [], {}, {}
     for i, (lp, st) in enumerate(zip(params["layers"], state["layers"])):
-        with jax.named_scope(f"layer{i}"):
-            x, post, comb = hc_pre(h, *_hc_args(lp, "hc_attn", cfg))
-            y, st = attention_extend(
-                lp["attn"], rms_norm(x, lp["attn_norm"]["weight"], cfg.rms_norm_eps), st, pos0, valid, cfg, i
+        if keep and c > keep and i == cfg.last_kv_source + 1:  # bounded replay from here on
+            start = jnp.clip(valid - keep, 0, c - keep)
+            h, pre, toks = (
+                _take_tail(h, start, keep),
+                _take_tail(pre, start, keep),
+                _take_tail(tokens, start, keep),
             )
+            ids = None if ids is None else _take_tail(ids, start, keep, axis=2)
+            tail = functools.partial(_take_tail, start=start, keep=keep)
+            sel = {k: tuple(map(tail, v)) if isinstance(v, tuple) else tail(v) for k, v in sel.items()}
+            p0, vl = pos0 + start, valid - start
+            floor = jnp.where(start > 0, p0, 0)
+        with jax.named_scope(f"layer{i}"):
+            if "engram" in lp:
+                h = engram.engram_apply(lp["engram"], h, ids[cfg.engram_layer_ids.index(i)], cfg)
+            if i in cfg.dspark_target_layer_ids:
+                aux[i] = jnp.mean(h.astype(F32), axis=-2).astype(h.dtype)
+            x, post, comb, pre = _sublayer_mix(h, pre, lp, "hc_attn", cfg)
+            src = cfg.kv_source(i) if cfg.is_v41 else None
+            shared = new_layers[src] if src is not None and src < i else None
+            y, st = attention_extend(
+                lp["attn"], rms_norm(x, lp["attn_norm"]["weight"], cfg.rms_norm_eps), st, p0, vl, cfg, i,
+                shared, sel, floor,
+            )  # fmt: skip
             h = hc_post(y, h, post, comb)
-            x, post, comb = hc_pre(h, *_hc_args(lp, "hc_ffn", cfg))
-            y = moe(rms_norm(x, lp["ffn_norm"]["weight"], cfg.rms_norm_eps), lp["ffn"], cfg, tokens, moe_impl)
+            x, post, comb, pre = _sublayer_mix(h, pre, lp, "hc_ffn", cfg)
+            y = moe(rms_norm(x, lp["ffn_norm"]["weight"], cfg.rms_norm_eps), lp["ffn"], cfg, toks, moe_impl)
             h = hc_post(y, h, post, comb)
             new_layers.append(st)
-    return h, {"layers": new_layers, "lengths": pos0 + valid}
+    if cfg.hc_deferred:  # the last sublayer's pre weights the streams for the head
+        h = (pre[..., None] * h).astype(h.dtype)
+    new_state["layers"] = new_layers
+    return h, new_state, aux
+
+
+def extend(
+    params: dict,
+    tokens: jax.Array,
+    state: dict,
+    cfg: ModelConfig,
+    valid=None,
+    moe_impl: str = "grouped",
+    keep=0,
+):
+    """Feed a chunk tokens int[b, c] at positions state['lengths'] + j; the first valid[b] are real.
+
+    The one step function behind forward, prefill, chunked prefill and decode. Returns the last
+    layer's streams [b, c, n, d] and the state with lengths += valid (rows with valid 0 are untouched).
+    `keep` > 0 turns on SWA bounded replay (see `run_layers`).
+    """
+    h, state, _ = run_layers(params, tokens, state, cfg, valid, moe_impl, keep)
+    return h, state
 
 
 def forward(params: dict, tokens: jax.Array, cfg: ModelConfig, moe_impl: str = "grouped") -> jax.Array:
@@ -442,47 +696,87 @@ def forward(params: dict, tokens: jax.Array, cfg: ModelConfig, moe_impl: str = "
 
 
 # ---- decoder state ---------------------------------------------------------------------------------------
-def init_state(cfg: ModelConfig, batch: int, max_len: int) -> dict:
-    """Empty decoder state for `batch` rows of up to `max_len` tokens.
+def init_state(cfg: ModelConfig, batch: int, max_len: int, spare: int = 0) -> dict:
+    """Empty decoder state for `batch` rows of up to `max_len` tokens, rollback-able by up to `spare` tokens.
 
-    Per layer: "window" [b, sliding_window, k] ring of roped K=V rows (slot = position % window);
-    on compressed layers "pool" [b, ceil(max_len / m), k] of compressed entries and the pending
-    raw projections "ring_kv" / "ring_gate" [b, R, c k] (R = 2m for CSA, m for HCA); on CSA
-    layers the indexer's "index_pool" / "iring_kv" / "iring_gate" likewise. "lengths" int32[b].
+    Per layer: "window" [b, sliding_window + spare, k] ring of roped K=V rows (slot = position % size);
+    on layers owning a compressor (V4: every compressed layer; V4.1: KV sources only) "pool"
+    [b, ceil(max_len / m), k] of compressed entries and the pending raw projections "ring_kv" /
+    "ring_gate" [b, R + spare, c k] (R = 2m for CSA, m otherwise); CSA layers and V4.1 KV sources
+    also "index_pool" [b, C, index_head_dim] (CSA: with "iring_kv" / "iring_gate"). With Engram,
+    "history" int32[b, max_ngram - 1 + spare] holds the tokens before the next position (-1 = none).
+    "lengths" int32[b].
     """
     dt = jnp.dtype(cfg.dtype)
     k, ik = cfg.head_dim, cfg.index_head_dim
     layers = []
     for i in range(cfg.num_hidden_layers):
         ltype, m = cfg.layer_type(i), cfg.compress_ratios[i]
-        st = {"window": jnp.zeros((batch, cfg.sliding_window, k), dt)}
-        if m:
+        st = {"window": jnp.zeros((batch, cfg.sliding_window + spare, k), dt)}
+        owns = m and (not cfg.is_v41 or i in cfg.kv_source_layer_ids)
+        if owns:
             c = 2 if ltype == CSA else 1
-            ring = 2 * m if ltype == CSA else m
+            ring = (2 * m if ltype == CSA else m) + spare
             cap = max(1, -(-max_len // m))
             st.update(
                 pool=jnp.zeros((batch, cap, k), dt),
                 ring_kv=jnp.zeros((batch, ring, c * k), dt),
                 ring_gate=jnp.zeros((batch, ring, c * k), dt),
             )
-            if ltype == CSA:
+            if cfg.is_v41:
+                st["index_pool"] = jnp.zeros((batch, cap, ik), dt)
+            elif ltype == CSA:
                 st.update(
                     index_pool=jnp.zeros((batch, cap, ik), dt),
                     iring_kv=jnp.zeros((batch, ring, 2 * ik), dt),
                     iring_gate=jnp.zeros((batch, ring, 2 * ik), dt),
                 )
         layers.append(st)
-    return {"layers": layers, "lengths": jnp.zeros((batch,), jnp.int32)}
+    state = {"layers": layers, "lengths": jnp.zeros((batch,), jnp.int32)}
+    if cfg.engram_layer_ids:
+        state["history"] = jnp.full((batch, cfg.engram_max_ngram_size - 1 + spare), -1, jnp.int32)
+    return state
+
+
+def rollback(state: dict, lengths: jax.Array) -> dict:
+    """The state as it was at the earlier `lengths` int32[b] (each at most `spare` tokens back).
+
+    Nothing is erased: window and compressor rings keep `spare` extra slots, so the rows the next
+    step reads are still there; pool entries past the new length are invisible until rewritten
+    (with the same values) as their windows close again; the token history shifts back.
+    """
+    out = dict(state)
+    back = state["lengths"] - lengths
+    if "history" in state:
+        hist = state["history"]
+        idx = jnp.arange(hist.shape[1])[None, :] - back[:, None]
+        out["history"] = jnp.where(idx >= 0, jnp.take_along_axis(hist, jnp.clip(idx, 0), axis=1), -1)
+    out["lengths"] = lengths.astype(jnp.int32)
+    return out
 
 
 def prefill(
-    params: dict, tokens: jax.Array, lengths: jax.Array, cfg: ModelConfig, max_len: int, moe_impl="grouped"
+    params: dict,
+    tokens: jax.Array,
+    lengths: jax.Array,
+    cfg: ModelConfig,
+    max_len: int,
+    moe_impl="grouped",
+    keep: int | None = None,
+    spare: int = 0,
 ):
-    """Right-padded prompts tokens [b, t] with true lengths [b] -> (logits f32[b, v] at each last token, state)."""
+    """Right-padded prompts tokens [b, t] with true lengths [b] -> (logits f32[b, v] at each last token, state).
+
+    keep: SWA bounded replay length (None: the config's `replay_keep_tokens`; 0: exact prefill).
+    """
     b, t = tokens.shape
-    h, state = extend(params, tokens, init_state(cfg, b, max(max_len, t)), cfg, lengths, moe_impl)
-    last = jnp.take_along_axis(h, (lengths - 1)[:, None, None, None], axis=1)[:, 0]
-    return logits_from_hidden(params, last, cfg), state
+    keep = cfg.replay_keep_tokens if keep is None else keep
+    keep = keep if cfg.is_v41 and keep and t > keep else 0
+    state = init_state(cfg, b, max(max_len, t), spare)
+    h, state = extend(params, tokens, state, cfg, lengths, moe_impl, keep)
+    last = (jnp.minimum(lengths, keep) if keep else lengths) - 1
+    h = jnp.take_along_axis(h, last[:, None, None, None], axis=1)[:, 0]
+    return logits_from_hidden(params, h, cfg), state
 
 
 def decode_step(params: dict, tokens: jax.Array, state: dict, cfg: ModelConfig, moe_impl: str = "grouped"):
@@ -511,3 +805,32 @@ def canonical_name(name: str, config: ModelConfig | None = None) -> str | None:
     for pat, rep in _RENAMES:
         name = re.sub(pat, rep, name)
     return name
+
+
+# ---- sizes --------------------------------------------------------------------------------------------------
+def _category(name: str) -> str:
+    if name.startswith("mtp."):
+        return "drafter"
+    if ".engram." in name:
+        return "engram"
+    if ".ffn.experts." in name:
+        return "experts"
+    if ".attn." in name:
+        return "attention"
+    return "other"
+
+
+def bytes_by_category(cfg: ModelConfig) -> dict[str, dict[str, int]]:
+    """Parameters and bytes (declared dtypes) per category: experts, attention, engram, drafter, other.
+
+    Works from the declaration alone (nothing is allocated), so it runs for the full-size models.
+    """
+    from djax.params import _dtype, flatten_names
+
+    out: dict[str, dict[str, int]] = {}
+    for name, p in flatten_names(declare(cfg)).items():
+        n = int(np.prod(p.shape))
+        row = out.setdefault(_category(name), {"params": 0, "bytes": 0})
+        row["params"] += n
+        row["bytes"] += n * _dtype(p, cfg).itemsize
+    return out

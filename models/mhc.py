@@ -15,10 +15,12 @@ def sinkhorn(logits: jax.Array, iters: int, eps: float) -> jax.Array:
     """Row softmax, then alternate column / row normalisation: a (nearly) doubly-stochastic matrix."""
     comb = jax.nn.softmax(logits, axis=-1) + eps
     comb = comb / (comb.sum(-2, keepdims=True) + eps)
-    for _ in range(iters - 1):
-        comb = comb / (comb.sum(-1, keepdims=True) + eps)
-        comb = comb / (comb.sum(-2, keepdims=True) + eps)
-    return comb
+    def step(_, c):
+        c = c / (c.sum(-1, keepdims=True) + eps)
+        return c / (c.sum(-2, keepdims=True) + eps)
+
+    # A loop rather than unrolled: 20 iterations in every mHC of every layer bloat the program.
+    return jax.lax.fori_loop(0, iters - 1, step, comb)
 
 
 def hc_pre(

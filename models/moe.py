@@ -55,8 +55,25 @@ def route(
     return weights * cfg.routed_scaling_factor, idx
 
 
-def experts_grouped(x, weights, idx, w1, w2, w3, limit: float) -> jax.Array:
-    """Routed experts as one grouped GEMM over token copies sorted by expert.
+_RAGGED = jax.lax.RaggedDotDimensionNumbers(
+    dot_dimension_numbers=(([1], [2]), ([], [])), lhs_ragged_dimensions=[0], rhs_group_dimensions=[0]
+)
+
+
+def _ragged(xs: jax.Array, w, sizes: jax.Array) -> jax.Array:
+    """xs [m, i] (rows grouped by expert) times each group's w[e] [o, i] (torch layout, no transpose): [m, o]."""
+    return jax.lax.ragged_dot_general(xs, dense(w, xs.dtype), sizes, _RAGGED)
+
+
+def _swiglu_act(gate: jax.Array, up: jax.Array, limit: float) -> jax.Array:
+    if limit > 0:
+        gate = jnp.minimum(gate, limit)
+        up = jnp.clip(up, -limit, limit)
+    return jax.nn.silu(gate) * up
+
+
+def experts_ragged(x, weights, idx, w1, w2, w3, limit: float) -> jax.Array:
+    """Routed experts as one grouped GEMM over token copies sorted by expert (`ragged_dot_general`).
 
     x: [n, d]; weights f32[n, k]; idx int32[n, k]; w1, w3: [e, f, d]; w2: [e, d, f]. Returns [n, d].
     """
@@ -67,15 +84,43 @@ def experts_grouped(x, weights, idx, w1, w2, w3, limit: float) -> jax.Array:
     tok = order // k
     xs = x[tok]  # [n*k, d], expert-contiguous
     sizes = jnp.bincount(flat, length=e).astype(jnp.int32)
-    gate = jax.lax.ragged_dot(xs, jnp.swapaxes(dense(w1, x.dtype), 1, 2), sizes)
-    up = jax.lax.ragged_dot(xs, jnp.swapaxes(dense(w3, x.dtype), 1, 2), sizes)
-    if limit > 0:
-        gate = jnp.minimum(gate, limit)
-        up = jnp.clip(up, -limit, limit)
-    h = jax.nn.silu(gate) * up
-    out = jax.lax.ragged_dot(h, jnp.swapaxes(dense(w2, x.dtype), 1, 2), sizes)  # [n*k, d]
+    h = _swiglu_act(_ragged(xs, w1, sizes), _ragged(xs, w3, sizes), limit)
+    out = _ragged(h, w2, sizes)  # [n*k, d]
     out = out * weights.reshape(-1)[order][:, None].astype(out.dtype)
     return jnp.zeros((n, d), out.dtype).at[tok].add(out)
+
+
+def experts_gather(x, weights, idx, w1, w2, w3, limit: float) -> jax.Array:
+    """Few tokens (decode): gather each (token, choice)'s expert matrices; reads only the experts chosen."""
+    dt = x.dtype
+    g1, g3, g2 = dense(w1[idx], dt), dense(w3[idx], dt), dense(w2[idx], dt)  # [n, k, f, d], [n, k, d, f]
+    h = _swiglu_act(jnp.einsum("nd,nkfd->nkf", x, g1), jnp.einsum("nd,nkfd->nkf", x, g3), limit)
+    out = jnp.einsum("nkf,nkdf->nkd", h, g2)
+    return jnp.einsum("nkd,nk->nd", out, weights.astype(dt))
+
+
+def experts_batched(x, weights, idx, w1, w2, w3, limit: float) -> jax.Array:
+    """Every expert on every token as three batched GEMMs, combined by the routing weights.
+
+    Reads each expert once: near the memory floor when most experts are touched (decode at large
+    batch), wasteful in FLOPs for long prefills.
+    """
+    dt = x.dtype
+    e = w1.shape[0]
+    combine = jnp.zeros((x.shape[0], e), jnp.float32).at[jnp.arange(x.shape[0])[:, None], idx].add(weights)
+    h = _swiglu_act(jnp.einsum("nd,efd->enf", x, dense(w1, dt)), jnp.einsum("nd,efd->enf", x, dense(w3, dt)), limit)
+    return jnp.einsum("enf,edf,ne->nd", h, dense(w2, dt), combine.astype(dt))
+
+
+def experts_grouped(x, weights, idx, w1, w2, w3, limit: float) -> jax.Array:
+    """The fast path, chosen by the (static) shapes: gather for a few tokens, all experts batched for a
+    decode-sized batch, the grouped ragged GEMM for prefill."""
+    n, k, e = x.shape[0], idx.shape[1], w1.shape[0]
+    if n * k <= e:
+        return experts_gather(x, weights, idx, w1, w2, w3, limit)
+    if n <= 256:
+        return experts_batched(x, weights, idx, w1, w2, w3, limit)
+    return experts_ragged(x, weights, idx, w1, w2, w3, limit)
 
 
 def experts_dense(x, weights, idx, w1, w2, w3, limit: float) -> jax.Array:
@@ -94,13 +139,26 @@ def experts_dense(x, weights, idx, w1, w2, w3, limit: float) -> jax.Array:
 def moe(
     x: jax.Array, p: dict, cfg: ModelConfig, token_ids: jax.Array | None, impl: str = "grouped"
 ) -> jax.Array:
-    """Routed experts plus the shared expert. x: [..., d]; token_ids: int[...] (hash layers)."""
+    """Routed experts plus the shared expert. x: [..., d]; token_ids: int[...] (hash layers).
+
+    impl: "grouped" (the fast path for the shapes at hand), "gather", "batched", "ragged", or
+    "dense" (the slow twin: a scan over experts).
+    """
     shape = x.shape
     flat = x.reshape(-1, shape[-1])
     ids = None if token_ids is None else token_ids.reshape(-1)
     weights, idx = route(flat, p["gate"], cfg, ids)
     ex = p["experts"]
-    run = experts_grouped if impl == "grouped" else experts_dense
+    impls = {
+        "grouped": experts_grouped,
+        "gather": experts_gather,
+        "batched": experts_batched,
+        "ragged": experts_ragged,
+        "dense": experts_dense,
+    }
+    if impl not in impls:
+        raise ValueError(f"unknown moe impl {impl!r}; choose one of {sorted(impls)}")
+    run = impls[impl]
     limit = cfg.swiglu_limit if cfg.is_v4 else 0.0
     routed = run(flat, weights, idx, ex["w1"], ex["w2"], ex["w3"], limit)
     sh = p["shared_experts"]
