@@ -23,6 +23,8 @@ import numpy as np
 from tqdm import tqdm
 
 from djax.config import ModelConfig
+from djax.fp4 import GROUP as FP4_GROUP
+from djax.fp4 import dequantize_fp4
 from djax.models import model_module
 from djax.params import Param, flatten_names, is_param, unflatten_names
 from djax.quant import FP8, QArray, quantize, scale_shape, scale_sharding
@@ -58,6 +60,11 @@ class _Tensor:
     def quantized(self) -> bool:
         return self.file.dtype(self.raw) in _FP8
 
+    @property
+    def fp4(self) -> bool:
+        """Two e2m1 codes a byte (int8 / uint8) beside a per-32 UE8M0 scale: V4.1's routed experts."""
+        return self.file.dtype(self.raw) in ("I8", "U8") and self.scale is not None
+
     def array(self, scale: bool = False) -> np.ndarray:
         """A memory-mapped view (nothing is read until it is sliced or copied)."""
         f, raw = self.scale if scale else (self.file, self.raw)
@@ -74,6 +81,10 @@ class _Source:
     @property
     def quantized(self) -> bool:
         return self.parts[0].quantized
+
+    @property
+    def fp4(self) -> bool:
+        return self.parts[0].fp4
 
     def shape(self, scale: bool = False) -> tuple[int, ...]:
         t = self.parts[0]
@@ -147,8 +158,8 @@ def _check(t: _Tensor, want: tuple[int, ...], block: tuple[int, int], p: Param) 
     dtype = t.file.dtype(t.raw)
     if dtype not in DTYPES:
         return f"tensor {t.raw!r} has unsupported dtype {dtype}"
-    if dtype in ("I8", "U8") and t.scale is not None:
-        return f"tensor {t.raw!r} looks FP4-packed (int8 beside a scale), which djax does not read yet"
+    if t.fp4:
+        return _check_fp4(t, want)
     if t.shape != want:
         return f"tensor {t.raw!r} has shape {t.shape}, expected {want}"
     if not t.quantized:
@@ -166,6 +177,21 @@ def _check(t: _Tensor, want: tuple[int, ...], block: tuple[int, int], p: Param) 
     return None
 
 
+def _check_fp4(t: _Tensor, want: tuple[int, ...]) -> str | None:
+    if len(want) != 2 or want[-1] % FP4_GROUP:
+        return f"tensor {t.raw!r} is FP4-packed, which djax reads only for matrices with inputs in groups of {FP4_GROUP}"
+    packed = (want[0], want[1] // 2)
+    if t.shape != packed:
+        return f"FP4 tensor {t.raw!r} has shape {t.shape}, expected {packed} (two codes a byte) for {want}"
+    sf, sname = t.scale
+    expect = (want[0], want[1] // FP4_GROUP)
+    if sf.dtype(sname) not in ("U8", "F8_E8M0"):
+        return f"FP4 scale {sname!r} has dtype {sf.dtype(sname)}; expected UE8M0 (U8 or F8_E8M0)"
+    if sf.shape(sname) != expect:
+        return f"FP4 scale {sname!r} has shape {sf.shape(sname)}, expected {expect}"
+    return None
+
+
 def _plan(found: dict[str, _Tensor], decl: dict[str, Param], block: tuple[int, int]) -> dict[str, _Source]:
     """Match every declared weight with its tensors; raise one CheckpointError listing every problem."""
     plan, missing, problems = {}, [], []
@@ -180,8 +206,8 @@ def _plan(found: dict[str, _Tensor], decl: dict[str, Param], block: tuple[int, i
         missing += [_disk_name(k) for k, t in zip(keys, parts) if t is None]
         problems += [msg for t in parts if t is not None and (msg := _check(t, tuple(want), block, p))]
         if all(t is not None for t in parts):
-            if len({t.quantized for t in parts}) > 1:
-                problems.append(f"experts of {name!r} mix FP8 and unquantized tensors")
+            if len({(t.quantized, t.fp4) for t in parts}) > 1:
+                problems.append(f"experts of {name!r} mix quantized and unquantized tensors")
             plan[name] = _Source(tuple(parts), stacked)
     lines = []
     if missing:
@@ -207,8 +233,28 @@ def _dequantize(q: QArray, dtype) -> jax.Array:
     return q.dense(dtype)
 
 
+@partial(jax.jit, static_argnames="dtype")
+def _dequantize_fp4(packed: jax.Array, scale: jax.Array, dtype) -> jax.Array:
+    return dequantize_fp4(packed, scale, dtype)
+
+
 def _load(src: _Source, p: Param, config: ModelConfig, block, keep_quantized: bool, sharding):
     dtype = np.dtype(p.dtype if p.dtype is not None else config.dtype)
+    if src.fp4:
+        if keep_quantized:
+            raise CheckpointError(
+                f"{src.parts[0].raw!r} is FP4: keeping FP4 experts quantized is not supported yet "
+                "(load with keep_quantized=False to dequantize them)"
+            )
+        packed = _put(src, np.uint8, None)
+        scale = _put(
+            src,
+            np.uint8 if src.parts[0].array(scale=True).dtype == np.uint8 else np.float32,
+            None,
+            scale=True,
+        )
+        out = _dequantize_fp4(packed, scale, dtype)
+        return out if sharding is None else jax.device_put(out, sharding)
     if not src.quantized:
         return _put(src, dtype, sharding)
     values = _put(src, src.parts[0].array().dtype, sharding)

@@ -17,6 +17,7 @@ import ml_dtypes
 import numpy as np
 import pytest
 
+import djax
 from djax.checkpoint import CheckpointError, load_checkpoint, save_pretrained
 from djax.config import preset
 from djax.models import model_module
@@ -428,3 +429,34 @@ def test_orbax_round_trip(v4, tmp_path):
         CheckpointError, match=r"weight 'embed\.weight' has shape \(512, 64\), expected \(256, 64\)"
     ):
         restore_params(tmp_path / "plain", V4.replace(vocab_size=256))
+
+
+def test_fp4_experts_are_dequantized_on_load(tmp_path):
+    """V4.1's routed experts on disk as packed e2m1 codes with per-32 UE8M0 scales load as their dense values."""
+    from djax.fp4 import dequantize_fp4, quantize_fp4
+    from djax.safetensors_io import SafetensorsFile
+
+    cfg = djax.preset("tiny-v41")
+    params = djax.init_params(cfg, jax.random.key(11))
+    djax.save_pretrained(params, cfg, tmp_path)
+    files = sorted(tmp_path.glob("*.safetensors"))
+    expected = {}
+    for f in files:
+        src = SafetensorsFile(f)
+        tensors = {k: np.array(src.get(k)) for k in src.keys()}
+        for k in [k for k in tensors if re.search(r"\.experts\.\d+\.w[123]\.weight$", k)]:
+            packed, scale = quantize_fp4(tensors[k].astype(np.float32))
+            tensors[k], tensors[k.removesuffix(".weight") + ".scale"] = packed, scale
+            expected[k] = np.asarray(dequantize_fp4(packed, scale, jnp.float32))
+        del src
+        save_file(tensors, f)
+    assert expected
+    loaded_cfg, loaded = djax.load_checkpoint(tmp_path, progress=False)
+    assert loaded_cfg == cfg
+    flat = flatten_names(loaded)
+    for k, want in expected.items():
+        m = re.match(r"(.*\.experts)\.(\d+)\.(w[123])\.weight$", k)
+        got = np.asarray(flat[f"{m[1]}.{m[3]}"][int(m[2])], np.float32)
+        np.testing.assert_array_equal(got, want.astype(jnp.dtype(cfg.dtype)).astype(np.float32))
+    with pytest.raises(djax.CheckpointError, match="FP4"):
+        djax.load_checkpoint(tmp_path, keep_quantized=True, progress=False)
