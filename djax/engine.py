@@ -418,11 +418,16 @@ class Engine:
 
 
 class LLM:
-    """Offline batch generation: `LLM(path_or_(config, params)).generate(prompts, params)`."""
+    """Offline batch generation: `LLM(path_or_(config, params)).generate(prompts, params)`.
+
+    With no model, the embedded default (djax-tiny-v4, shipped in the package) is loaded.
+    """
 
     def __init__(
-        self, model, engine_config: EngineConfig | None = None, tokenizer=None, dtype: str | None = None
+        self, model=None, engine_config: EngineConfig | None = None, tokenizer=None, dtype: str | None = None
     ):
+        if model is None:
+            model = Path(__file__).parent / "assets" / "djax-tiny-v4"
         if isinstance(model, (str, Path)):
             from djax.checkpoint import load_checkpoint
 
