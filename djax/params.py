@@ -33,6 +33,16 @@ class Param:
             raise ValueError(f"shape {self.shape} and axes {self.axes} differ in rank")
 
 
+def linear_weight(o: int, i: int, ax_o: str | None, ax_i: str | None) -> dict:
+    """A torch-layout [out, in] matrix under the key "weight", as DeepSeek's checkpoints store it."""
+    return {"weight": Param((o, i), (ax_o, ax_i))}
+
+
+def norm_weight(n: int) -> dict:
+    """An RMS-norm scale (float32, initialised to ones) under the key "weight"."""
+    return {"weight": Param((n,), (None,), "float32", "ones")}
+
+
 def is_param(x) -> bool:
     return isinstance(x, Param)
 

@@ -20,6 +20,8 @@ from djax.models.layers import (
 )
 from djax.models.moe import moe
 from djax.params import Param
+from djax.params import linear_weight as _w
+from djax.params import norm_weight as _norm
 from djax.quant import dense
 
 F32 = jnp.float32
@@ -27,14 +29,6 @@ NEG_INF = -jnp.inf
 
 
 # ---- declaration -----------------------------------------------------------------------------------
-def _w(o: int, i: int, ax_o: str | None, ax_i: str | None) -> dict:
-    return {"weight": Param((o, i), (ax_o, ax_i))}
-
-
-def _norm(n: int) -> dict:
-    return {"weight": Param((n,), (None,), "float32", "ones")}
-
-
 def _attention(cfg: ModelConfig) -> dict:
     d, h, c, r = cfg.hidden_size, cfg.num_attention_heads, cfg.kv_lora_rank, cfg.qk_rope_head_dim
     n, v = cfg.qk_nope_head_dim, cfg.v_head_dim

@@ -29,6 +29,8 @@ from djax.models.layers import (
 from djax.models.mhc import hc_head, hc_post, hc_pre, sinkhorn
 from djax.models.moe import moe
 from djax.params import Param
+from djax.params import linear_weight as _w
+from djax.params import norm_weight as _norm
 from djax.quant import dense
 
 F32 = jnp.float32
@@ -36,14 +38,6 @@ NEG_INF = -jnp.inf
 
 
 # ---- declaration -----------------------------------------------------------------------------------
-def _w(o: int, i: int, ax_o: str | None, ax_i: str | None) -> dict:
-    return {"weight": Param((o, i), (ax_o, ax_i))}
-
-
-def _norm(n: int) -> dict:
-    return {"weight": Param((n,), (None,), "float32", "ones")}
-
-
 def _compressor(cfg: ModelConfig, ratio: int, width: int, overlap: bool) -> dict:
     c = 2 if overlap else 1
     d = cfg.hidden_size
