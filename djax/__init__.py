@@ -3,9 +3,19 @@
 from djax.checkpoint import CheckpointError, load_checkpoint, save_pretrained
 from djax.config import PRESETS, ModelConfig, SamplingParams, preset
 from djax.engine import LLM, CompletionOutput, Engine, EngineConfig, RequestOutput, RequestParams
+from djax.eplb import (
+    ExpertLoad,
+    Placement,
+    expert_counts,
+    rebalance,
+    rebalance_global,
+    rebalance_hierarchical,
+)
+from djax.evaluate import evaluate
 from djax.generate import Batch, Generated, generate
 from djax.orbax_io import restore_params, save_params
 from djax.params import abstract_params, init_params
+from djax.plan import plan
 from djax.sharding import DEFAULT_RULES, ShardingRules, constrain, make_mesh, param_shardings, shard_params
 from djax.step import decode, forward, init_state, prefill
 
@@ -13,6 +23,14 @@ __version__ = "0.1.0"
 
 __all__ = [
     "Batch",
+    "ExpertLoad",
+    "Placement",
+    "evaluate",
+    "expert_counts",
+    "plan",
+    "rebalance",
+    "rebalance_global",
+    "rebalance_hierarchical",
     "CompletionOutput",
     "Engine",
     "EngineConfig",

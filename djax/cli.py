@@ -1,4 +1,4 @@
-"""Command line: `djax generate` (also `python -m djax generate`)."""
+"""Command line: `djax generate`, `djax eval`, `djax plan` (also `python -m djax ...`)."""
 
 from __future__ import annotations
 
@@ -97,6 +97,54 @@ def cmd_generate(args) -> int:
     return 0
 
 
+def cmd_eval(args) -> int:
+    from djax.evaluate import chunk_tokens, evaluate
+
+    config, params, tokenizer = _load(args)
+    text = Path(args.file).read_text()
+    windows = chunk_tokens(_encode(text, config, tokenizer), args.seq_len)
+    if not windows:
+        raise ValueError(f"{args.file}: fewer than 2 tokens to score")
+    mesh = djax.make_mesh(dp=args.dp, ep=args.ep) if args.dp * args.ep > 1 else None
+    t0 = time.perf_counter()
+    res = evaluate(params, config, windows, mesh=mesh, batch_size=args.batch_size, seq_len=args.seq_len)
+    out = {
+        "file": str(args.file),
+        "windows": len(windows),
+        "seq_len": args.seq_len,
+        "total_tokens": res["total_tokens"],
+        "total_loglik": res["total_loglik"],
+        "perplexity": res["perplexity"],
+        "seconds": round(time.perf_counter() - t0, 3),
+    }
+    if args.per_window:
+        out["loglik"] = res["loglik"]
+        out["tokens"] = res["tokens"]
+    print(json.dumps(out))
+    return 0
+
+
+def cmd_plan(args) -> int:
+    from djax.plan import format_table, plan, standard_plans
+
+    if args.preset is None:
+        names, rows = standard_plans(context=args.context, batch=args.batch)
+    else:
+        config = djax.preset(args.preset)
+        if args.dtype:
+            config = config.replace(dtype=args.dtype)
+        devices = args.devices or [8, 16]
+        names = [args.preset] * len(devices)
+        rows = [
+            plan(config, n, ep=args.ep, dp=args.dp, context=args.context, batch=args.batch) for n in devices
+        ]
+    if args.json:
+        print(json.dumps([{"preset": n, **r} for n, r in zip(names, rows, strict=True)]))
+    else:
+        print(format_table(rows, names))
+    return 0
+
+
 def build_parser() -> argparse.ArgumentParser:
     ap = argparse.ArgumentParser(prog="djax", description="DeepSeek inference in JAX")
     sub = ap.add_subparsers(dest="command", required=True)
@@ -122,6 +170,42 @@ def build_parser() -> argparse.ArgumentParser:
     g.add_argument("--dtype", choices=["float32", "bfloat16"], help="override the compute dtype")
     g.add_argument("--json", action="store_true", help="print one JSON object")
     g.set_defaults(func=cmd_generate)
+
+    e = sub.add_parser("eval", help="log-likelihood and perplexity of a text file")
+    e.add_argument(
+        "--checkpoint",
+        help="HF-format directory (config.json, *.safetensors, tokenizer.json); default: the embedded djax-tiny-v4",
+    )
+    e.add_argument(
+        "--preset", default=None, choices=sorted(djax.PRESETS), help="a random-weight model instead"
+    )
+    e.add_argument("--file", required=True, help="text file to score")
+    e.add_argument(
+        "--seq-len", type=int, default=128, help="window length in tokens (non-overlapping windows)"
+    )
+    e.add_argument("--batch-size", type=int, default=8)
+    e.add_argument("--dp", type=int, default=1, help="data-parallel mesh size")
+    e.add_argument("--ep", type=int, default=1, help="expert-parallel mesh size")
+    e.add_argument("--seed", type=int, default=0)
+    e.add_argument("--dtype", choices=["float32", "bfloat16"], help="override the compute dtype")
+    e.add_argument("--per-window", action="store_true", help="also print each window's log-likelihood")
+    e.set_defaults(func=cmd_eval)
+
+    pl = sub.add_parser("plan", help="per-device bytes of weights and decoder state, from abstract shapes")
+    pl.add_argument(
+        "--preset",
+        default=None,
+        choices=sorted(djax.PRESETS),
+        help="default: V4-Flash and V4.1-Flash at 8 and 16",
+    )
+    pl.add_argument("--devices", type=int, nargs="+", help="device counts (default: 8 16)")
+    pl.add_argument("--ep", type=int, help="expert-parallel size (default: the device count)")
+    pl.add_argument("--dp", type=int, help="attention data-parallel size (default: the device count)")
+    pl.add_argument("--context", type=int, default=65536, help="tokens per request")
+    pl.add_argument("--batch", type=int, default=64, help="concurrent requests in all")
+    pl.add_argument("--dtype", choices=["float32", "bfloat16"], help="override the weight and state dtype")
+    pl.add_argument("--json", action="store_true", help="print JSON instead of a table")
+    pl.set_defaults(func=cmd_plan)
     return ap
 
 
