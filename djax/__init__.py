@@ -13,6 +13,7 @@ from djax.eplb import (
 )
 from djax.evaluate import evaluate
 from djax.generate import Batch, Generated, generate
+from djax.models.moe import ExpertParallel
 from djax.orbax_io import restore_params, save_params
 from djax.params import abstract_params, init_params
 from djax.plan import plan
@@ -23,6 +24,7 @@ __version__ = "0.1.0"
 
 __all__ = [
     "Batch",
+    "ExpertParallel",
     "ExpertLoad",
     "Placement",
     "evaluate",

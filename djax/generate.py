@@ -13,6 +13,7 @@ import numpy as np
 
 from djax.config import ModelConfig, SamplingParams
 from djax.models import model_module
+from djax.models.moe import ExpertParallel
 from djax.sampling import sample
 
 PAD = -1  # written after a row has finished
@@ -194,19 +195,24 @@ def generate(
     *,
     max_len: int | None = None,
     moe_impl: str = "grouped",
+    mesh: jax.sharding.Mesh | None = None,
 ) -> Generated:
     """Generate up to max_new_tokens per row; a row stops at EOS (unless sampling.ignore_eos).
 
     One jitted function: prefill over the right-padded prompts, then a `lax.while_loop` of decode
     steps carrying the decoder state. max_len (default: batch width + max_new_tokens) sizes the
     compressed pools. Works under `jax.jit` (validation then is the caller's business) and shards
-    with the params and batch it is given.
+    with the params and batch it is given. With a `mesh` whose "ep" axis is larger than 1 the routed
+    experts run expert-parallel (`all_to_all` dispatch and combine); place the params with
+    `djax.shard_params` and the batch on "dp".
     """
     if not isinstance(batch, Batch):
         batch = Batch.from_lists(batch)
     if not isinstance(sampling, SamplingParams):
         raise TypeError(f"sampling must be a djax.SamplingParams, got {type(sampling).__name__}")
     validate(batch, config, max_new_tokens, max_len)
+    if mesh is not None and mesh.shape.get("ep", 1) > 1:
+        moe_impl = ExpertParallel(mesh, moe_impl)
     max_len = max_len or batch.tokens.shape[1] + max_new_tokens
     eos = _eos_table(() if sampling.ignore_eos else config.eos_ids)
     # EOS handling is data (`eos`), so the static config and sampling drop it: one compiled program serves

@@ -8,11 +8,21 @@ import jax
 
 from djax.config import ModelConfig
 from djax.models import model_module
+from djax.models.moe import ExpertParallel
+
+
+def forward(params, tokens: jax.Array, config: ModelConfig, moe_impl="grouped", mesh=None) -> jax.Array:
+    """Teacher-forced logits f32[b, t, vocab] for tokens int[b, t] from position 0, no cache.
+
+    With a `mesh` whose "ep" axis is larger than 1 the routed experts run expert-parallel.
+    """
+    if mesh is not None and mesh.shape.get("ep", 1) > 1:
+        moe_impl = ExpertParallel(mesh, moe_impl)
+    return _forward(params, tokens, config, moe_impl)
 
 
 @partial(jax.jit, static_argnames=("config", "moe_impl"))
-def forward(params, tokens: jax.Array, config: ModelConfig, moe_impl: str = "grouped") -> jax.Array:
-    """Teacher-forced logits f32[b, t, vocab] for tokens int[b, t] from position 0, no cache."""
+def _forward(params, tokens, config, moe_impl):
     return model_module(config).forward(params, tokens, config, moe_impl=moe_impl)
 
 

@@ -3,8 +3,11 @@ group-limited choice) and the routed experts as a sorted grouped GEMM, with a de
 
 from __future__ import annotations
 
+from dataclasses import dataclass
+
 import jax
 import jax.numpy as jnp
+from jax.sharding import Mesh
 
 from djax.config import ModelConfig
 from djax.models.layers import linear, swiglu
@@ -108,7 +111,9 @@ def experts_batched(x, weights, idx, w1, w2, w3, limit: float) -> jax.Array:
     dt = x.dtype
     e = w1.shape[0]
     combine = jnp.zeros((x.shape[0], e), jnp.float32).at[jnp.arange(x.shape[0])[:, None], idx].add(weights)
-    h = _swiglu_act(jnp.einsum("nd,efd->enf", x, dense(w1, dt)), jnp.einsum("nd,efd->enf", x, dense(w3, dt)), limit)
+    h = _swiglu_act(
+        jnp.einsum("nd,efd->enf", x, dense(w1, dt)), jnp.einsum("nd,efd->enf", x, dense(w3, dt)), limit
+    )
     return jnp.einsum("enf,edf,ne->nd", h, dense(w2, dt), combine.astype(dt))
 
 
@@ -136,13 +141,29 @@ def experts_dense(x, weights, idx, w1, w2, w3, limit: float) -> jax.Array:
     return out
 
 
+@dataclass(frozen=True)
+class ExpertParallel:
+    """Run the routed experts expert-parallel over `mesh` axis "ep" (`moe_ep`); pass it where a moe impl goes.
+
+    Hashable, so it is a static argument of jitted steps like the impl names. Capacity is the full
+    token count, so nothing is dropped; `local` is the impl each device runs on its own experts.
+    """
+
+    mesh: Mesh
+    local: str = "grouped"
+
+
 def moe(
-    x: jax.Array, p: dict, cfg: ModelConfig, token_ids: jax.Array | None, impl: str = "grouped"
+    x: jax.Array,
+    p: dict,
+    cfg: ModelConfig,
+    token_ids: jax.Array | None,
+    impl: str | ExpertParallel = "grouped",
 ) -> jax.Array:
     """Routed experts plus the shared expert. x: [..., d]; token_ids: int[...] (hash layers).
 
-    impl: "grouped" (the fast path for the shapes at hand), "gather", "batched", "ragged", or
-    "dense" (the slow twin: a scan over experts).
+    impl: "grouped" (the fast path for the shapes at hand), "gather", "batched", "ragged",
+    "dense" (the slow twin: a scan over experts), or an `ExpertParallel`.
     """
     shape = x.shape
     flat = x.reshape(-1, shape[-1])
@@ -156,11 +177,17 @@ def moe(
         "ragged": experts_ragged,
         "dense": experts_dense,
     }
-    if impl not in impls:
-        raise ValueError(f"unknown moe impl {impl!r}; choose one of {sorted(impls)}")
-    run = impls[impl]
     limit = cfg.swiglu_limit if cfg.is_v4 else 0.0
-    routed = run(flat, weights, idx, ex["w1"], ex["w2"], ex["w3"], limit)
+    if isinstance(impl, ExpertParallel):
+        from djax.models.moe_ep import moe_ep
+
+        routed, _ = moe_ep(
+            flat, weights, idx, ex["w1"], ex["w2"], ex["w3"], limit, impl.mesh, None, impl.local
+        )
+    elif impl in impls:
+        routed = impls[impl](flat, weights, idx, ex["w1"], ex["w2"], ex["w3"], limit)
+    else:
+        raise ValueError(f"unknown moe impl {impl!r}; choose one of {sorted(impls)} or an ExpertParallel")
     sh = p["shared_experts"]
     shared = swiglu(flat, sh["w1"]["weight"], sh["w2"]["weight"], sh["w3"]["weight"], limit)
     return (routed + shared).reshape(shape)
