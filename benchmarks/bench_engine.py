@@ -36,7 +36,7 @@ import numpy as np  # noqa: E402
 
 import djax  # noqa: E402
 from djax.engine import LLM, EngineConfig, RequestParams  # noqa: E402
-from djax.engine_step import engine_step  # noqa: E402
+from djax.scheduler import Plan  # noqa: E402
 
 sys.path.insert(0, str(Path(__file__).parent))
 from bench_generate import build_hf, make_config  # noqa: E402
@@ -76,28 +76,11 @@ def step_device_times(llm: LLM, reps: int = 5) -> dict[int, float]:
     S, P = eng.ec.max_num_seqs, -(-eng.ec.max_model_len // eng.ec.block_size)
     out = {}
     for c in eng.ec.widths:
-        from djax.scheduler import Plan
-
-        plan = Plan(
-            tokens=np.zeros((S, c), np.int32),
-            from_prev=np.zeros(S, bool),
-            lengths=np.zeros(S, np.int32),
-            valid=np.zeros(S, np.int32),
-            sample=np.zeros(S, bool),
-            page_table=np.zeros((S, P), np.int32),
-            restore=np.full(S, -1, np.int32),
-            save=np.full(S, -1, np.int32),
-            seqs=[None] * S,
-        )
-        arrays, samp, _ = eng._arrays(plan)
-        args = (eng.cfg, eng.ec.block_size, 0, eng.ec.moe_impl)
-        res = engine_step(eng.params, eng.store, eng.prev_tok, arrays, samp, *args)
-        eng.store = res[-1]
-        jax.block_until_ready(res[0])
+        plan = Plan.idle(S, c, P)
+        jax.block_until_ready(eng.launch(plan, 0)[0])
         t = time.perf_counter()
         for _ in range(reps):
-            res = engine_step(eng.params, eng.store, eng.prev_tok, arrays, samp, *args)
-            eng.store = res[-1]
+            res = eng.launch(plan, 0)
         jax.block_until_ready(res[0])
         out[c] = (time.perf_counter() - t) / reps
     return out

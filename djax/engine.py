@@ -308,10 +308,11 @@ class Engine:
         arrays["reset"], arrays["num_prompt"] = jnp.asarray(reset), jnp.asarray(num_prompt)
         return arrays, RowSampling(**{k: jnp.asarray(v) for k, v in samp.items()}), want_lp
 
-    def _dispatch(self, plan: Plan):
-        t0 = time.perf_counter()
+    def launch(self, plan: Plan, num_logprobs: int | None = None):
+        """Send one step to the device; returns (tokens, logprobs, top ids, top logprobs), the store updated."""
         arrays, samp, nlp = self._arrays(plan)
-        tok, lp, top_ids, top_lp, self.store = engine_step(
+        nlp = nlp if num_logprobs is None else num_logprobs
+        *out, self.store = engine_step(
             self.params,
             self.store,
             self.prev_tok,
@@ -322,41 +323,22 @@ class Engine:
             nlp,
             self.ec.moe_impl,
         )
-        self.prev_tok = tok
+        return tuple(out)
+
+    def _dispatch(self, plan: Plan):
+        t0 = time.perf_counter()
+        out = self.launch(plan)
+        self.prev_tok = out[0]
         self.num_steps += 1
         self.step_widths.append(plan.width)
         self.step_time["dispatch"] += time.perf_counter() - t0
-        return plan, (tok, lp, top_ids, top_lp)
+        return plan, out
 
     def warmup(self, logprobs: bool = False) -> None:
         """Compile the step for every width with all rows idle (a no-op on the state)."""
         S, P = self.ec.max_num_seqs, -(-self.ec.max_model_len // self.ec.block_size)
         for c in self.ec.widths:
-            plan = Plan(
-                tokens=np.zeros((S, c), np.int32),
-                from_prev=np.zeros(S, bool),
-                lengths=np.zeros(S, np.int32),
-                valid=np.zeros(S, np.int32),
-                sample=np.zeros(S, bool),
-                page_table=np.zeros((S, P), np.int32),
-                restore=np.full(S, -1, np.int32),
-                save=np.full(S, -1, np.int32),
-                seqs=[None] * S,
-            )
-            arrays, samp, _ = self._arrays(plan)
-            nlp = self.ec.max_logprobs if logprobs else 0
-            out = engine_step(
-                self.params,
-                self.store,
-                self.prev_tok,
-                arrays,
-                samp,
-                self.cfg,
-                self.ec.block_size,
-                nlp,
-                self.ec.moe_impl,
-            )
-            self.store = out[-1]
+            out = self.launch(Plan.idle(S, c, P), self.ec.max_logprobs if logprobs else 0)
             jax.block_until_ready(out[0])
 
     def _process(self, pending) -> list[int]:

@@ -80,6 +80,21 @@ class Plan:
     def width(self) -> int:
         return self.tokens.shape[1]
 
+    @classmethod
+    def idle(cls, slots: int, width: int, pages: int) -> Plan:
+        """A step with every row idle: a no-op on the state (used to compile and to time a width)."""
+        return cls(
+            tokens=np.zeros((slots, width), np.int32),
+            from_prev=np.zeros(slots, bool),
+            lengths=np.zeros(slots, np.int32),
+            valid=np.zeros(slots, np.int32),
+            sample=np.zeros(slots, bool),
+            page_table=np.zeros((slots, pages), np.int32),
+            restore=np.full(slots, -1, np.int32),
+            save=np.full(slots, -1, np.int32),
+            seqs=[None] * slots,
+        )
+
 
 class Scheduler:
     """Queues and the page allocator for `num_slots` device rows of up to `pages_per_seq` pages each."""
