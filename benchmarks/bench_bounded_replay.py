@@ -6,8 +6,13 @@ FLOPs: a V4.1-shaped stack with every per-layer shape of V4.1-Flash (hidden 5120
 lowered with abstract weights (nothing allocated) and counted by XLA's cost analysis on this host.
 Drift: a narrow stack with the same layout and window, random weights, run on CPU; the last prompt
 position's logits of bounded-replay prefill against exact prefill.
+Time (`--time`, on a GPU): a 4-layer stack with full V4.1-Flash per-layer shapes and random bf16 weights
+(about 110 GB: two KV-source layers, ratio 2 then ratio 1 with the candidate selection, then two readers),
+prefill of one prompt timed with and without bounded replay (median of repeats, device synced), with
+XLA's FLOP count of the same compiled programs.
 
     python benchmarks/bench_bounded_replay.py [--tokens 2048] [--out benchmarks/results/bounded_replay_cpu.json]
+    python benchmarks/bench_bounded_replay.py --time --time-tokens 1024 4096 --out $OUT/bounded_replay_h200.json
 """
 
 from __future__ import annotations
@@ -36,6 +41,17 @@ LAYOUT = dict(
     engram_num_embeddings=(),
     dspark_target_layer_ids=(),
     num_nextn_predict_layers=0,
+)
+
+
+# The timed stack: what fits one H200 in bf16 and still has layers after the last KV source.
+TIME_LAYOUT = dict(
+    LAYOUT,
+    num_hidden_layers=4,
+    compress_ratios=(2, 1, 1, 1),
+    kv_source_layer_ids=(0, 1),
+    index_source_layer_ids=(0, 1),
+    candidate_source_layer_id=1,
 )
 
 
@@ -74,12 +90,81 @@ def drift(tokens: int, seed: int = 0) -> dict:
     }
 
 
+def time_prefill(cfg, token_counts, impls, repeats: int = 5, progress=None) -> list[dict]:
+    """Wall time of one prefill (batch 1) with and without bounded replay, per prompt length and MoE impl.
+
+    progress(rows) is called after each measurement (so a run cut short still leaves its results)."""
+    params = djax.init_params(cfg, jax.random.key(0))
+    jax.block_until_ready(params)
+    rows = []
+    for t in token_counts:
+        toks = jax.random.randint(jax.random.key(t), (1, t), 0, cfg.vocab_size)
+        lens = jnp.array([t], jnp.int32)
+        for impl in impls:
+            for keep in (0, cfg.replay_keep_tokens):
+                row = {"prompt_tokens": t, "moe_impl": impl, "keep": keep}
+                try:
+                    fn = jax.jit(functools.partial(v4.prefill, cfg=cfg, max_len=t, moe_impl=impl, keep=keep))
+                    compiled = fn.lower(params, toks, lens).compile()
+                    cost = compiled.cost_analysis()
+                    cost = cost[0] if isinstance(cost, list) else cost
+                    row["xla_flops"] = float(cost["flops"])
+                    jax.block_until_ready(compiled(params, toks, lens))
+                    times = []
+                    for _ in range(repeats):
+                        t0 = time.perf_counter()
+                        jax.block_until_ready(compiled(params, toks, lens))
+                        times.append(time.perf_counter() - t0)
+                    row["seconds"] = times
+                    row["median_s"] = float(np.median(times))
+                    del compiled
+                except Exception as e:  # an OOM or compile failure is a result too
+                    row["error"] = f"{type(e).__name__}: {str(e)[:400]}"
+                print(json.dumps(row), flush=True)
+                rows.append(row)
+                if progress:
+                    progress(rows)
+    for r in rows:
+        if "median_s" in r and r["keep"]:
+            exact = [x for x in rows if x["prompt_tokens"] == r["prompt_tokens"] and x["moe_impl"] == r["moe_impl"]
+                     and not x["keep"] and "median_s" in x]  # fmt: skip
+            if exact:
+                r["time_ratio_vs_exact"] = r["median_s"] / exact[0]["median_s"]
+                r["flops_ratio_vs_exact"] = r["xla_flops"] / exact[0]["xla_flops"]
+    return rows
+
+
+def main_time(a):
+    cfg = preset("deepseek-v4.1-flash", **TIME_LAYOUT).replace(dtype="bfloat16")
+    dev = jax.devices()[0]
+    res = {
+        "benchmark": "bounded replay prefill time",
+        "date": time.strftime("%Y-%m-%d"),
+        "device": getattr(dev, "device_kind", str(dev)),
+        "jax": jax.__version__,
+        "config": "V4.1-Flash per-layer shapes, 4 layers: ratios (2,1,1,1), KV sources (0,1), index sources "
+        "(0,1), candidate source 1; random bf16 weights; batch 1",
+        "keep_tokens": cfg.replay_keep_tokens,
+    }
+
+    def write(rows):
+        with open(a.out, "w") as f:
+            json.dump(dict(res, runs=rows), f, indent=1)
+
+    write(time_prefill(cfg, a.time_tokens, a.moe_impls, progress=write))
+
+
 def main():
     ap = argparse.ArgumentParser()
     ap.add_argument("--tokens", type=int, default=2048)
     ap.add_argument("--drift-tokens", type=int, nargs="+", default=[256, 512])
     ap.add_argument("--out", default="benchmarks/results/bounded_replay_cpu.json")
+    ap.add_argument("--time", action="store_true", help="time prefill on the default device (a GPU)")
+    ap.add_argument("--time-tokens", type=int, nargs="+", default=[1024, 4096])
+    ap.add_argument("--moe-impls", nargs="+", default=["grouped", "batched"])
     a = ap.parse_args()
+    if a.time:
+        return main_time(a)
     big = preset("deepseek-v4.1-flash", **LAYOUT)
     t0 = time.time()
     f_exact = flops(big, a.tokens, 0)

@@ -1,0 +1,94 @@
+#!/usr/bin/env python3
+"""Where a decode step's time goes: the GPU kernels of `djax.decode`, summed by name from a profiler trace.
+
+The bench_generate model (V4-Flash per-layer shapes, 4 layers, random bf16 weights) decodes from a synthetic
+1k-token state; `jax.profiler` records a few steps and the Perfetto trace it writes is summed per kernel
+name (the device-side events), printed as a table and written as JSON.
+
+    python benchmarks/profile_decode.py --batch 1 64 --out $OUT          # on a GPU
+    python benchmarks/profile_decode.py --tiny --batch 2 --out /tmp/prof # CPU smoke run (host events)
+"""
+
+from __future__ import annotations
+
+import argparse
+import gzip
+import json
+import os
+import sys
+import time
+from collections import defaultdict
+from pathlib import Path
+
+import jax
+import jax.numpy as jnp
+
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+import bench_generate as bg  # noqa: E402
+
+import djax  # noqa: E402
+
+
+def kernel_table(trace_dir: Path) -> tuple[list[dict], float]:
+    """Sum the trace's complete events per name over device threads (all events if no device track)."""
+    path = next(trace_dir.rglob("*.trace.json.gz"))
+    events = json.load(gzip.open(path))["traceEvents"]
+    procs = {
+        e["pid"]: e["args"]["name"] for e in events if e.get("ph") == "M" and e.get("name") == "process_name"
+    }
+    dev_pids = {p for p, n in procs.items() if "/device:" in n.lower() or "gpu" in n.lower()}
+    tot, cnt = defaultdict(float), defaultdict(int)
+    for e in events:
+        if e.get("ph") != "X" or (dev_pids and e["pid"] not in dev_pids):
+            continue
+        tot[e["name"]] += e.get("dur", 0.0)
+        cnt[e["name"]] += 1
+    rows = sorted(({"name": n, "us": t, "calls": cnt[n]} for n, t in tot.items()), key=lambda r: -r["us"])
+    return rows, sum(tot.values())
+
+
+def main():
+    ap = argparse.ArgumentParser()
+    ap.add_argument("--tiny", action="store_true")
+    ap.add_argument("--batch", type=int, nargs="+", default=[1, 64])
+    ap.add_argument("--steps", type=int, default=4)
+    ap.add_argument("--moe-impl", default="grouped")
+    ap.add_argument("--out", default=os.environ.get("OUT", "/tmp/profile"))
+    a = ap.parse_args()
+    out = Path(a.out)
+    out.mkdir(parents=True, exist_ok=True)
+    cfg = bg.make_config(a.tiny)
+    params = djax.init_params(cfg, jax.random.key(0))
+    w = bg.TINY if a.tiny else bg.FULL
+    res = {"date": time.strftime("%Y-%m-%d"), "device": jax.devices()[0].device_kind, "runs": {}}
+    for b in a.batch:
+        state = bg.synthetic_state(cfg, b, w["max_len"], w["context"], b)
+        toks = jnp.zeros((b,), jnp.int32) + 7
+        for _ in range(2):  # compile and warm up
+            logits, state = djax.decode(params, toks, state, cfg, moe_impl=a.moe_impl)
+        jax.block_until_ready(logits)
+        tdir = out / f"trace_b{b}"
+        t0 = time.perf_counter()
+        with jax.profiler.trace(str(tdir), create_perfetto_trace=True):
+            for _ in range(a.steps):
+                logits, state = djax.decode(params, toks, state, cfg, moe_impl=a.moe_impl)
+            jax.block_until_ready(logits)
+        wall = (time.perf_counter() - t0) / a.steps
+        rows, total = kernel_table(tdir)
+        res["runs"][b] = {
+            "step_wall_ms": wall * 1e3,
+            "device_us_per_step": total / a.steps,
+            "top": [dict(r, us=r["us"] / a.steps, calls=r["calls"] / a.steps) for r in rows[:40]],
+        }
+        print(
+            f"batch {b}: {wall * 1e3:.2f} ms/step wall, {total / a.steps / 1e3:.2f} ms/step in traced events"
+        )
+        for r in rows[:25]:
+            print(f"  {r['us'] / a.steps:10.1f} us  x{r['calls'] / a.steps:5.1f}  {r['name'][:110]}")
+        for f in tdir.rglob("*.xplane.pb"):
+            f.unlink()  # large; the JSON table is what we keep
+    (out / "profile_decode.json").write_text(json.dumps(res, indent=1))
+
+
+if __name__ == "__main__":
+    main()
