@@ -4,7 +4,9 @@ On disk every routed expert is its own tensor (`layers.3.ffn.experts.5.w1.weight
 tree the experts of a layer are stacked on a leading axis (`layers.3.ffn.experts.w1`: [e, f, d]).
 FP8 weights sit beside a block scale named `<name>.scale` (DeepSeek) or `<name>.weight_scale_inv`
 (HF) that multiplies each block (128 x 128 unless config.json's `quantization_config` says
-otherwise); the scale is float32, bf16 or e8m0.
+otherwise); the scale is float32, bf16 or e8m0. FP4 weights (V4.1's routed experts) are int8 / uint8
+tensors of two e2m1 codes a byte beside a `.scale` with one factor per 32 inputs (UE8M0 as U8 or
+F8_E8M0, or F32 / BF16).
 """
 
 from __future__ import annotations
@@ -24,16 +26,16 @@ from tqdm import tqdm
 
 from djax.config import ModelConfig
 from djax.fp4 import GROUP as FP4_GROUP
-from djax.fp4 import dequantize_fp4
 from djax.models import model_module
 from djax.params import Param, flatten_names, is_param, unflatten_names
-from djax.quant import FP8, QArray, quantize, scale_shape, scale_sharding
+from djax.quant import E8M0, FP8, QArray, from_fp4, quantize, scale_shape, scale_sharding
 from djax.safetensors_io import DTYPES, Lazy, SafetensorsFile, nbytes, save_file
 
 INDEX = "model.safetensors.index.json"
 DEFAULT_BLOCK = (128, 128)
 _FP8 = ("F8_E4M3", "F8_E5M2")
 _SCALE_DTYPES = ("F32", "BF16", "F16", "F8_E8M0")
+_FP4_SCALE_DTYPES = ("U8", "F8_E8M0", "F32", "BF16")
 _SCALE_SUFFIXES = (".weight_scale_inv", ".scale")
 _STACKED = re.compile(r"^(.*\.experts)\.(w[123])$")  # tree name of a layer's stacked experts
 _MAX_LISTED = 10
@@ -92,12 +94,23 @@ class _Source:
         return (len(self.parts), *one) if self.stacked else one
 
     def read(self, index: tuple = (), scale: bool = False, dtype=None) -> np.ndarray:
-        """Copy out `index` (a tuple of slices, as `make_array_from_callback` passes) in `dtype`."""
+        """Copy out `index` (a tuple of slices, as `make_array_from_callback` passes) in `dtype`.
+
+        Bytes are reinterpreted, not converted, between int8 and uint8 (packed FP4 codes) and from
+        uint8 to float8_e8m0fnu (UE8M0 exponents); every other pair converts values.
+        """
         index = tuple(index)
         if not self.stacked:
-            return np.array(self.parts[0].array(scale)[index], dtype=dtype)
+            return _copy(self.parts[0].array(scale)[index], dtype)
         lead, rest = (index[0], index[1:]) if index else (slice(None), ())
-        return np.stack([np.array(t.array(scale)[rest], dtype=dtype) for t in self.parts[lead]])
+        return np.stack([_copy(t.array(scale)[rest], dtype) for t in self.parts[lead]])
+
+
+def _copy(a: np.ndarray, dtype) -> np.ndarray:
+    dtype = a.dtype if dtype is None else np.dtype(dtype)
+    if a.itemsize == 1 and a.dtype in (np.int8, np.uint8) and dtype in (np.int8, np.uint8, E8M0):
+        return np.array(a).view(dtype)
+    return np.array(a, dtype=dtype)
 
 
 def _disk_name(name: str) -> str:
@@ -185,8 +198,8 @@ def _check_fp4(t: _Tensor, want: tuple[int, ...]) -> str | None:
         return f"FP4 tensor {t.raw!r} has shape {t.shape}, expected {packed} (two codes a byte) for {want}"
     sf, sname = t.scale
     expect = (want[0], want[1] // FP4_GROUP)
-    if sf.dtype(sname) not in ("U8", "F8_E8M0"):
-        return f"FP4 scale {sname!r} has dtype {sf.dtype(sname)}; expected UE8M0 (U8 or F8_E8M0)"
+    if sf.dtype(sname) not in _FP4_SCALE_DTYPES:
+        return f"FP4 scale {sname!r} has dtype {sf.dtype(sname)}; expected one of {_FP4_SCALE_DTYPES}"
     if sf.shape(sname) != expect:
         return f"FP4 scale {sname!r} has shape {sf.shape(sname)}, expected {expect}"
     return None
@@ -233,33 +246,26 @@ def _dequantize(q: QArray, dtype) -> jax.Array:
     return q.dense(dtype)
 
 
-@partial(jax.jit, static_argnames="dtype")
-def _dequantize_fp4(packed: jax.Array, scale: jax.Array, dtype) -> jax.Array:
-    return dequantize_fp4(packed, scale, dtype)
+def _fp4_scale_dtype(src: _Source) -> np.dtype:
+    """UE8M0 exponent bytes become float8_e8m0fnu (same bits); float scales keep their dtype."""
+    d = src.parts[0].array(scale=True).dtype
+    return E8M0 if d in (np.uint8, E8M0) else d
 
 
 def _load(src: _Source, p: Param, config: ModelConfig, block, keep_quantized: bool, sharding):
     dtype = np.dtype(p.dtype if p.dtype is not None else config.dtype)
-    if src.fp4:
-        if keep_quantized:
-            raise CheckpointError(
-                f"{src.parts[0].raw!r} is FP4: keeping FP4 experts quantized is not supported yet "
-                "(load with keep_quantized=False to dequantize them)"
-            )
-        packed = _put(src, np.uint8, None)
-        scale = _put(
-            src,
-            np.uint8 if src.parts[0].array(scale=True).dtype == np.uint8 else np.float32,
-            None,
-            scale=True,
-        )
-        out = _dequantize_fp4(packed, scale, dtype)
-        return out if sharding is None else jax.device_put(out, sharding)
-    if not src.quantized:
+    if not src.quantized and not src.fp4:
         return _put(src, dtype, sharding)
-    values = _put(src, src.parts[0].array().dtype, sharding)
-    scale = _put(src, np.float32, scale_sharding(sharding, src.shape(scale=True)), scale=True)
-    q = QArray(values, scale, block)
+    if src.fp4:
+        # Packed [.., o, i / 2] and scale [.., o, i / 32] shard like the weight where their dims divide.
+        values = _put(src, np.uint8, scale_sharding(sharding, src.shape()))
+        scale_shard = scale_sharding(sharding, src.shape(scale=True))
+        scale = _put(src, _fp4_scale_dtype(src), scale_shard, scale=True)
+        q = from_fp4(values, scale)
+    else:
+        values = _put(src, src.parts[0].array().dtype, sharding)
+        scale = _put(src, np.float32, scale_sharding(sharding, src.shape(scale=True)), scale=True)
+        q = QArray(values, scale, block)
     if keep_quantized and p.dtype is None:
         return q
     out = _dequantize(q, dtype)
@@ -303,8 +309,10 @@ def load_checkpoint(
     model's `canonical_name` maps to them (HF transformers' `model.` prefix, ...).
     dtype: the compute dtype ("bfloat16", "float32"), overriding config.json's; weights declared
     float32 (norms, mHC, router biases) stay float32.
-    keep_quantized: FP8 weights become `QArray` (e4m3 values + float32 block scales) that the
-    model dequantizes on use; otherwise they are dequantized to the dtype while loading.
+    keep_quantized: FP8 weights become `QArray` (e4m3 values + float32 block scales) and FP4
+    weights (V4.1's routed experts) `QArray` of packed e2m1 codes + per-32 scales (UE8M0 as
+    float8_e8m0fnu: 0.53 byte a value), which the model dequantizes on use; otherwise both are
+    dequantized to the dtype while loading (the same math, so the model's results are the same).
     shardings: None (default device), one `jax.sharding.Sharding` for every weight, or a tree like
     the params (e.g. `djax.sharding.param_shardings(config, mesh)`); each device then reads only
     its own slice of each tensor. A kept-quantized weight's scale shards like the weight where
@@ -343,6 +351,11 @@ def _tensors(name: str, w: Any, expert: int | None, quant: tuple[int, int] | Non
     if not name.endswith(".weight"):
         raise CheckpointError(f"quantized weight {name!r} must be a `.weight` to name its `.scale`")
     scale_name = name.removesuffix(".weight") + ".scale"
+    if isinstance(w, QArray) and w.is_fp4:
+        return {
+            name: Lazy((*shape[:-1], shape[-1] // 2), np.uint8, lambda: get().values),
+            scale_name: Lazy((*shape[:-1], shape[-1] // FP4_GROUP), w.scale.dtype, lambda: get().scale),
+        }
     if isinstance(w, QArray):
         return {
             name: Lazy(shape, w.values.dtype, lambda: get().values),
@@ -386,7 +399,7 @@ def _disk_tensors(params: Any, config: ModelConfig, fp8: bool) -> tuple[list[dic
             if names
         ]
         raise CheckpointError("params do not match the config:\n  " + "\n  ".join(lines))
-    blocks = {w.block for w in flat.values() if isinstance(w, QArray)}
+    blocks = {w.block for w in flat.values() if isinstance(w, QArray) and not w.is_fp4}
     qblock = next(iter(blocks)) if blocks else DEFAULT_BLOCK  # fp8 matches the params' own blocks
     units = []
     for name, p in decl.items():
@@ -422,7 +435,9 @@ def save_pretrained(
     fp8: write every projection matrix (not the embedding, head or router) as FP8 e4m3 with
     float32 block scales (128 x 128, or the params' own QArray blocks) named `<name>.scale`;
     `QArray` weights are written that way whatever fp8 says, with config.json's
-    `quantization_config` giving the block. Tensors are fetched from the device (and quantized) one
+    `quantization_config` giving the block. FP4 `QArray` weights are written packed (U8, two codes a
+    byte) beside their per-32 `.scale` in its dtype (F8_E8M0 for UE8M0), and config.json then says
+    `"expert_dtype": "fp4"`. Tensors are fetched from the device (and quantized) one
     at a time as they are written.
     """
     path = Path(path)
@@ -445,6 +460,8 @@ def save_pretrained(
     for old in [*path.glob("model*.safetensors"), path / INDEX]:
         old.unlink(missing_ok=True)
     hf = config.to_hf()
+    if any(isinstance(w, QArray) and w.is_fp4 for w in flatten_names(params).values()):
+        hf["expert_dtype"] = "fp4"  # DeepSeek's config.json field for FP4 routed experts
     if blocks:
         hf["quantization_config"] = {
             "quant_method": "fp8",

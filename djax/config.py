@@ -51,6 +51,10 @@ class ModelConfig:
     norm_topk_prob: bool = True
     routed_scaling_factor: float = 1.5
     swiglu_limit: float = 10.0
+    # How the checkpoint stores routed experts: "fp4" (packed e2m1, per-32 UE8M0 scales; V4.1) or
+    # None (the config dtype / FP8 like the other matrices). DeepSeek's config.json field; it only
+    # sizes memory plans, the loader reads each tensor's own dtype.
+    expert_dtype: str | None = None
     num_hash_layers: int = 3
     num_nextn_predict_layers: int = 1
     rope_theta: float = 10000.0
@@ -462,6 +466,7 @@ def _v41_flash() -> ModelConfig:
         index_n_heads=32,
         n_routed_experts=384,
         moe_intermediate_size=2304,
+        expert_dtype="fp4",
         num_hash_layers=0,
         num_nextn_predict_layers=3,
         rms_norm_eps=1e-20,

@@ -2,6 +2,9 @@
 
 from __future__ import annotations
 
+import re
+
+import jax
 import jax.numpy as jnp
 import numpy as np
 
@@ -9,6 +12,21 @@ GROUP = 32
 # e2m1 magnitudes by the 3 low bits of a code; bit 3 is the sign.
 E2M1 = np.array([0.0, 0.5, 1.0, 1.5, 2.0, 3.0, 4.0, 6.0], np.float32)
 E2M1_TABLE = np.concatenate([E2M1, -E2M1])
+_ROUTED_EXPERTS = re.compile(r"(^|\.)experts\.w[123]$")  # a layer's stacked routed experts
+
+
+def packed_nbytes(shape: tuple[int, ...]) -> int:
+    """Bytes of an FP4 weight of logical `shape` [..., o, i]: half a byte a value + one UE8M0 byte per 32."""
+    n = int(np.prod(shape))
+    return n // 2 + n // GROUP
+
+
+def stored_nbytes(name: str, shape: tuple[int, ...], itemsize: int, expert_dtype: str | None) -> int:
+    """Bytes weight `name` occupies when loaded kept-quantized: routed experts (`...experts.w1`) of a
+    config whose `expert_dtype` is "fp4" at their packed size, every other weight shape x itemsize."""
+    if expert_dtype == "fp4" and _ROUTED_EXPERTS.search(name):
+        return packed_nbytes(shape)
+    return int(np.prod(shape)) * itemsize
 
 
 def unpack_e2m1(packed) -> jnp.ndarray:
@@ -22,7 +40,8 @@ def ue8m0_to_float(scale) -> jnp.ndarray:
     """UE8M0 exponents (uint8 bytes, or a float8_e8m0fnu array) -> f32 powers of two 2^(e - 127)."""
     s = jnp.asarray(scale)
     if s.dtype == jnp.uint8:
-        return jnp.exp2(s.astype(jnp.float32) - 127.0)
+        # Same bits as e8m0; converting from it is exact (exp2 on CPU can be an ulp off).
+        s = jax.lax.bitcast_convert_type(s, jnp.float8_e8m0fnu)
     return s.astype(jnp.float32)
 
 
@@ -43,7 +62,11 @@ def quantize_fp4(w: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
     amax = np.maximum(np.abs(g).max(-1, keepdims=True), 2.0**-126)
     e = np.clip(np.ceil(np.log2(amax / 6.0)), -127, 127)
     q = g / 2.0**e
-    idx = np.abs(np.abs(q)[..., None] - E2M1).argmin(-1) + 8 * (q < 0)
-    codes = idx.reshape(*w.shape).astype(np.uint8)
-    packed = codes[..., 0::2] | (codes[..., 1::2] << 4)
-    return packed, (e[..., 0] + 127).astype(np.uint8)
+    idx = np.abs(np.abs(q)[..., None] - E2M1).argmin(-1) + 8 * np.signbit(q)  # -0.0 keeps its sign
+    return pack_e2m1(idx.reshape(*w.shape)), (e[..., 0] + 127).astype(np.uint8)
+
+
+def pack_e2m1(codes: np.ndarray) -> np.ndarray:
+    """e2m1 codes (0..15) [..., k] -> uint8[..., k / 2], the inverse of `unpack_e2m1`'s byte layout."""
+    codes = np.asarray(codes).astype(np.uint8)
+    return codes[..., 0::2] | (codes[..., 1::2] << 4)

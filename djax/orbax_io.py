@@ -43,10 +43,12 @@ def _target(name: str, p: Param, saved: dict, blocks: dict, config: ModelConfig,
         dtype = np.dtype(p.dtype if p.dtype is not None else config.dtype)
         return jax.ShapeDtypeStruct(tuple(saved[name].shape), dtype, sharding=sharding)
     values, scale = saved[name + ".values"], saved[name + ".scale"]
+    # FP4 (uint8 values) scales come back in their saved dtype: Orbax's cast from e8m0 is wrong.
+    scale_dtype = scale.dtype if values.dtype == np.uint8 else jnp.float32
     return QArray(
         jax.ShapeDtypeStruct(tuple(values.shape), values.dtype, sharding=sharding),
         jax.ShapeDtypeStruct(
-            tuple(scale.shape), jnp.float32, sharding=scale_sharding(sharding, tuple(scale.shape))
+            tuple(scale.shape), scale_dtype, sharding=scale_sharding(sharding, tuple(scale.shape))
         ),
         tuple(blocks[name]),
     )

@@ -7,7 +7,9 @@ plan on a laptop without allocating a byte.
 Layout (DESIGN.md section 3): a mesh dp x ep over `num_devices`; expert weights sharded over "ep"
 (and whatever else the rules say), every other weight replicated; requests and their decoder state
 sharded over "dp" (each dp shard holds batch / dp rows, replicated over "ep"). Bytes are in the
-config's declared dtypes (bf16 for the presets unless `config.replace(dtype=...)`).
+config's declared dtypes (bf16 for the presets unless `config.replace(dtype=...)`), except routed
+experts of an `expert_dtype="fp4"` config (V4.1-Flash), counted packed as `load_checkpoint(...,
+keep_quantized=True)` holds them.
 """
 
 from __future__ import annotations
@@ -16,6 +18,7 @@ import jax
 import numpy as np
 
 from djax.config import ModelConfig
+from djax.fp4 import stored_nbytes
 from djax.params import _dtype, declare, flatten_names, is_param
 from djax.sharding import DEFAULT_RULES, ShardingRules, abstract_mesh, param_shardings
 
@@ -42,7 +45,7 @@ def weight_bytes(
     sizes = dict(mesh.shape)
     total = experts = other = 0
     for name, p in decl.items():
-        nbytes = int(np.prod(p.shape)) * _dtype(p, config).itemsize
+        nbytes = stored_nbytes(name, p.shape, _dtype(p, config).itemsize, config.expert_dtype)
         per = nbytes // _shard_factor(shardings[name].spec, sizes)
         total += nbytes
         if "experts" in p.axes:

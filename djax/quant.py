@@ -1,4 +1,4 @@
-"""Block-quantized weights (FP8 e4m3 with per-block float32 scales) kept as they are on disk."""
+"""Quantized weights kept as they are on disk: FP8 e4m3 with block scales, FP4 e2m1 with per-32 scales."""
 
 from __future__ import annotations
 
@@ -10,18 +10,29 @@ import ml_dtypes
 import numpy as np
 from jax.sharding import NamedSharding, PartitionSpec, Sharding
 
+from djax import fp4
+
 FP8 = jnp.dtype(ml_dtypes.float8_e4m3fn)
 FP8_MAX = float(ml_dtypes.finfo(ml_dtypes.float8_e4m3fn).max)  # 448
+FP4 = jnp.dtype(ml_dtypes.float4_e2m1fn)  # the element type a packed FP4 QArray reports
+E8M0 = jnp.dtype(ml_dtypes.float8_e8m0fnu)
+FP4_BLOCK = (1, fp4.GROUP)
 
 
 @jax.tree_util.register_dataclass
 @dataclass(frozen=True)
 class QArray:
-    """values[..., o, i] in a narrow float type; scale f32[..., ceil(o / block[0]), ceil(i / block[1])].
+    """A quantized weight [..., o, i] in one of two formats, told apart by the values' dtype.
 
-    The dense weight is values * scale broadcast over each block (the last block of a dim may be
-    partial). Leading dims (stacked experts) index both arrays alike: `q[e]` is expert e. The model
-    dequantizes on use (`dense`), so only the narrow bytes live in memory between steps.
+    FP8: values e4m3 (or e5m2) [..., o, i]; scale f32 [..., ceil(o / block[0]), ceil(i / block[1])];
+    the dense weight is values * scale broadcast over each block (the last block of a dim may be
+    partial).
+    FP4 (V4.1's routed experts): values uint8 [..., o, i / 2], two e2m1 codes a byte (low nibble =
+    even input); scale [..., o, i / 32], UE8M0 powers of two as float8_e8m0fnu (f32 / bf16 scales
+    also work); block is (1, 32). `shape` is the logical [..., o, i] and `dtype` float4_e2m1fn.
+
+    Leading dims (stacked experts) index both arrays alike: `q[e]` is expert e, `q[idx]` gathers.
+    The model dequantizes on use (`dense`), so only the narrow bytes live in memory between steps.
     """
 
     values: jax.Array
@@ -29,16 +40,26 @@ class QArray:
     block: tuple[int, int] = field(metadata=dict(static=True), default=(128, 128))
 
     @property
+    def is_fp4(self) -> bool:
+        return self.values.dtype == jnp.uint8
+
+    @property
     def shape(self) -> tuple[int, ...]:
-        return tuple(self.values.shape)
+        *lead, o, i = self.values.shape
+        return (*lead, o, 2 * i) if self.is_fp4 else (*lead, o, i)
 
     @property
     def dtype(self):
-        return self.values.dtype
+        return FP4 if self.is_fp4 else self.values.dtype
 
     @property
     def ndim(self) -> int:
         return len(self.values.shape)
+
+    @property
+    def nbytes(self) -> int:
+        """Bytes held: the narrow values plus the scales."""
+        return sum(int(np.prod(a.shape)) * jnp.dtype(a.dtype).itemsize for a in (self.values, self.scale))
 
     def __getitem__(self, idx) -> QArray:
         """Index the leading (non-block) dims, e.g. one expert of a stacked [e, o, i] weight."""
@@ -49,6 +70,8 @@ class QArray:
 
     def dense(self, dtype=jnp.bfloat16) -> jax.Array:
         """values * scale (computed in float32), cast to dtype."""
+        if self.is_fp4:
+            return fp4.dequantize_fp4(self.values, self.scale, dtype)
         bo, bi = self.block
         *_, o, i = self.values.shape
         s = jnp.repeat(jnp.repeat(jnp.asarray(self.scale, jnp.float32), bo, axis=-2), bi, axis=-1)[
@@ -57,8 +80,30 @@ class QArray:
         return (jnp.asarray(self.values).astype(jnp.float32) * s).astype(dtype)
 
 
+def from_fp4(packed, scale) -> QArray:
+    """An FP4 QArray from packed codes (int8 / uint8 [..., o, i / 2]) and scales [..., o, i / 32].
+
+    uint8 scales are UE8M0 exponent bytes and are reinterpreted (not converted) as float8_e8m0fnu;
+    float scales are kept in their dtype. numpy inputs stay numpy (host side), jax stay jax.
+    """
+    xp = np if isinstance(packed, np.ndarray) and isinstance(scale, np.ndarray) else jnp
+    packed = xp.asarray(packed)
+    scale = xp.asarray(scale)
+    if packed.dtype == xp.int8:
+        packed = packed.view(xp.uint8)
+    if scale.dtype == xp.uint8:
+        scale = scale.view(E8M0)
+    *lead, o, half = packed.shape
+    if tuple(scale.shape) != (*lead, o, 2 * half // fp4.GROUP) or (2 * half) % fp4.GROUP:
+        raise ValueError(
+            f"FP4 scale shape {tuple(scale.shape)} does not match packed codes {tuple(packed.shape)} "
+            f"(one scale per {fp4.GROUP} inputs)"
+        )
+    return QArray(packed, scale, FP4_BLOCK)
+
+
 def dense(w, dtype) -> jax.Array:
-    """A weight as a dense array of `dtype`, whether it is stored plain or block-quantized."""
+    """A weight as a dense array of `dtype`, whether it is stored plain or quantized (FP8 or FP4)."""
     if isinstance(w, QArray):
         return w.dense(dtype)
     return w.astype(dtype)

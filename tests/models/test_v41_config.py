@@ -21,7 +21,8 @@ def test_full_size_declaration_matches_published_parameter_counts():
     assert table["drafter"]["params"] == 14_225_362_530
     token_map = cfg.vocab_size  # derived from the tokenizer, not a checkpoint tensor
     assert sum(r["params"] for r in table.values()) - token_map == 763_205_315_794 - 485_268_480
-    assert table["experts"]["bytes"] == 2 * 543_581_798_400  # bf16 as declared
+    # FP4 (expert_dtype="fp4"): half a byte a value + one UE8M0 scale byte per 32 values.
+    assert table["experts"]["bytes"] == 543_581_798_400 // 2 + 543_581_798_400 // 32
 
 
 def test_full_size_layout():
