@@ -1,6 +1,7 @@
 """Times each djax kernel against XLA's lowering of its jnp reference: time, TFLOP/s, GB/s, roofline ratio.
 
-python benchmarks/bench_kernels.py [--out DIR]    (on a CUDA GPU; writes kernels_<device>.json and .png)
+python benchmarks/bench_kernels.py [--out DIR] [--small] [--only moe,fp8]
+(on a CUDA GPU; writes kernels_<device>.json and .png; the MoE and FP8 cases are in bench_moe.py)
 """
 
 from __future__ import annotations
@@ -15,6 +16,7 @@ import traceback
 import jax
 import jax.numpy as jnp
 import numpy as np
+from bench_moe import fp8_cases, moe_cases, rel_err  # noqa: E402 (the script's directory is on sys.path)
 
 from djax.kernels.indexer import index_scores, indexer_topk
 from djax.kernels.sparse_attn import sparse_decode
@@ -60,7 +62,7 @@ def attn_sets(n_sets, b, h, k, w, c, t, seed=0):
     return sets
 
 
-def run(out_dir: str, small: bool = False):
+def run(out_dir: str, small: bool = False, only: tuple[str, ...] = ("attn", "moe", "fp8")):
     dev = jax.devices()[0]
     rows, errors = [], []
     bw, rate = measure_ceilings() if not small else (COPY_BW, BF16_RATE)
@@ -68,8 +70,12 @@ def run(out_dir: str, small: bool = False):
         f"device {dev.device_kind}: copy {bw / 1e12:.2f} TB/s, bf16 matmul {rate / 1e12:.0f} TFLOP/s (measured now)"
     )
 
-    def record(kernel, shape, variant, fn, sets, flops, nbytes, ref_time=None):
+    def record(kernel, shape, variant, fn, sets, flops, nbytes, ref_time=None, check=None):
+        """check: (ref_fn, select) -> the relative error of fn vs ref_fn on sets[0] over select(output)."""
+        err = None
         try:
+            if check is not None:
+                err = rel_err(fn, *check, sets[0])
             t = bench(fn, sets)
         except Exception as e:  # noqa: BLE001 - keep timing the other variants
             errors.append(dict(kernel=kernel, shape=shape, variant=variant, error=repr(e)[:2000]))
@@ -84,138 +90,148 @@ def run(out_dir: str, small: bool = False):
             gbps=nbytes / t / 1e9,
             roofline=max(flops / BF16_RATE, nbytes / COPY_BW) / t,
             speedup_vs_xla_ref=(ref_time / t) if ref_time else None,
+            vs_bf16_peak=flops / t / BF16_RATE,
+            rel_err=err,
         )
         rows.append(row)
         return t
 
-    # (a) sparse decode attention: b=64, 64 heads x 512, SWA 128 + top-512 of an 8k context (ratio 4 -> 2048)
-    h, k, w, c, t = (64, 512, 128, 2048, 512) if not small else (16, 64, 16, 64, 32)
-    scale = k**-0.5
-    for b in (64, 8):
-        sets = attn_sets(6 if b == 64 else 16, b, h, k, w, c, t)
-        flops = 4 * b * h * (w + t) * k
-        nbytes = 2 * b * (w + t) * k + 2 * 2 * b * h * k + 4 * b * (w + t)
-        shape = f"b{b} h{h} k{k} W{w} top{t} of {c}"
-        tr = record(
-            "sparse_decode",
-            shape,
-            "xla_ref",
-            lambda *a: sparse_decode(*a, scale=scale, impl="ref"),
-            sets,
-            flops,
-            nbytes,
-        )
-        for bh, bs, nw, st, ns in [
-            (32, 64, 8, 2, 1),
-            (32, 64, 8, 1, 1),
-            (64, 32, 8, 2, 1),
-            (32, 64, 8, 1, 2),
-            (32, 64, 8, 1, 4),
-            (32, 64, 8, 1, 8),
-            (64, 32, 8, 2, 4),
-            (16, 32, 4, 2, 4),
-            (16, 32, 4, 2, 8),
-        ]:
-            record(
+    if "attn" in only:
+        # (a) sparse decode attention: b=64, 64 heads x 512, SWA 128 + top-512 of an 8k context (ratio 4 -> 2048)
+        h, k, w, c, t = (64, 512, 128, 2048, 512) if not small else (16, 64, 16, 64, 32)
+        scale = k**-0.5
+        for b in (64, 8):
+            sets = attn_sets(6 if b == 64 else 16, b, h, k, w, c, t)
+            flops = 4 * b * h * (w + t) * k
+            nbytes = 2 * b * (w + t) * k + 2 * 2 * b * h * k + 4 * b * (w + t)
+            shape = f"b{b} h{h} k{k} W{w} top{t} of {c}"
+            tr = record(
                 "sparse_decode",
                 shape,
-                f"triton bh{bh} bs{bs} w{nw} st{st} split{ns}",
-                lambda *a, bh=bh, bs=bs, nw=nw, st=st, ns=ns: sparse_decode(
-                    *a,
-                    scale=scale,
-                    impl="triton",
-                    block_h=bh,
-                    block_s=bs,
-                    num_warps=nw,
-                    num_stages=st,
-                    nsplit=ns,
-                ),
+                "xla_ref",
+                lambda *a: sparse_decode(*a, scale=scale, impl="ref"),
                 sets,
                 flops,
                 nbytes,
-                tr,
             )
+            for bh, bs, nw, st, ns in [
+                (32, 64, 8, 2, 1),
+                (32, 64, 8, 1, 1),
+                (64, 32, 8, 2, 1),
+                (32, 64, 8, 1, 2),
+                (32, 64, 8, 1, 4),
+                (32, 64, 8, 1, 8),
+                (64, 32, 8, 2, 4),
+                (16, 32, 4, 2, 4),
+                (16, 32, 4, 2, 8),
+            ]:
+                record(
+                    "sparse_decode",
+                    shape,
+                    f"triton bh{bh} bs{bs} w{nw} st{st} split{ns}",
+                    lambda *a, bh=bh, bs=bs, nw=nw, st=st, ns=ns: sparse_decode(
+                        *a,
+                        scale=scale,
+                        impl="triton",
+                        block_h=bh,
+                        block_s=bs,
+                        num_warps=nw,
+                        num_stages=st,
+                        nsplit=ns,
+                    ),
+                    sets,
+                    flops,
+                    nbytes,
+                    tr,
+                )
 
-    # (b) indexer scoring (64 heads x 128) and top-512; vocab top-k
-    rng = np.random.default_rng(1)
-    h, c = (64, 128) if not small else (16, 32)
-    for b, s in [(64, 2048), (8, 65536)] if not small else [(2, 300)]:
-        sets = [
-            (
-                jnp.asarray(rng.standard_normal((b, h, c)), BF16),
-                jnp.asarray(rng.standard_normal((b, s, c)), BF16),
-                jnp.asarray(rng.random((b, h)), jnp.float32),
-                jnp.full((b,), s, jnp.int32),
+        # (b) indexer scoring (64 heads x 128) and top-512; vocab top-k
+        rng = np.random.default_rng(1)
+        h, c = (64, 128) if not small else (16, 32)
+        for b, s in [(64, 2048), (8, 65536)] if not small else [(2, 300)]:
+            sets = [
+                (
+                    jnp.asarray(rng.standard_normal((b, h, c)), BF16),
+                    jnp.asarray(rng.standard_normal((b, s, c)), BF16),
+                    jnp.asarray(rng.random((b, h)), jnp.float32),
+                    jnp.full((b,), s, jnp.int32),
+                )
+                for _ in range(8)
+            ]
+            flops, nbytes = 2 * b * h * s * c, 2 * b * s * c + 4 * b * s + 2 * b * h * c
+            shape = f"b{b} H{h} c{c} s{s}"
+            tr = record(
+                "index_scores", shape, "xla_ref", lambda *a: index_scores(*a, impl="ref"), sets, flops, nbytes
             )
-            for _ in range(8)
-        ]
-        flops, nbytes = 2 * b * h * s * c, 2 * b * s * c + 4 * b * s + 2 * b * h * c
-        shape = f"b{b} H{h} c{c} s{s}"
-        tr = record(
-            "index_scores", shape, "xla_ref", lambda *a: index_scores(*a, impl="ref"), sets, flops, nbytes
-        )
-        for bs in (64, 128):
+            for bs in (64, 128):
+                record(
+                    "index_scores",
+                    shape,
+                    f"triton bs{bs}",
+                    lambda *a, bs=bs: index_scores(*a, impl="triton", block_s=bs),
+                    sets,
+                    flops,
+                    nbytes,
+                    tr,
+                )
+            kk = min(512, s)
+            tr = record(
+                "indexer_topk",
+                shape + f" k{kk}",
+                "xla_ref",
+                lambda *a, kk=kk: indexer_topk(*a, kk, impl="ref"),
+                sets,
+                flops,
+                nbytes,
+            )
             record(
-                "index_scores",
-                shape,
-                f"triton bs{bs}",
-                lambda *a, bs=bs: index_scores(*a, impl="triton", block_s=bs),
+                "indexer_topk",
+                shape + f" k{kk}",
+                "triton",
+                lambda *a, kk=kk: indexer_topk(*a, kk, impl="triton"),
                 sets,
                 flops,
                 nbytes,
                 tr,
             )
-        kk = min(512, s)
-        tr = record(
-            "indexer_topk",
-            shape + f" k{kk}",
-            "xla_ref",
-            lambda *a, kk=kk: indexer_topk(*a, kk, impl="ref"),
-            sets,
-            flops,
-            nbytes,
-        )
-        record(
-            "indexer_topk",
-            shape + f" k{kk}",
-            "triton",
-            lambda *a, kk=kk: indexer_topk(*a, kk, impl="triton"),
-            sets,
-            flops,
-            nbytes,
-            tr,
-        )
-        record(
-            "indexer_topk",
-            shape + f" k{kk}",
-            "auto",
-            lambda *a, kk=kk: indexer_topk(*a, kk),
-            sets,
-            flops,
-            nbytes,
-            tr,
-        )
-    sizes = (
-        [(64, 2048, 512), (4, 262144, 512), (64, 129280, 50), (1, 262144, 512)]
-        if not small
-        else [(2, 3000, 64)]
-    )
-    for b, s, k in sizes:
-        sets = [(jnp.asarray(rng.standard_normal((b, s)), jnp.float32),) for _ in range(8)]
-        nbytes = 4 * b * s + 8 * b * k
-        shape = f"b{b} s{s} k{k}"
-        tr = record("topk", shape, "xla lax.top_k", lambda x, k=k: topk(x, k, impl="ref"), sets, 0, nbytes)
-        for blk, nw in [(2048, 16), (4096, 16)]:
             record(
-                "topk",
-                shape,
-                f"triton blk{blk} w{nw}",
-                lambda x, k=k, blk=blk, nw=nw: topk(x, k, impl="triton", block=blk, num_warps=nw),
+                "indexer_topk",
+                shape + f" k{kk}",
+                "auto",
+                lambda *a, kk=kk: indexer_topk(*a, kk),
                 sets,
-                0,
+                flops,
                 nbytes,
                 tr,
             )
+        sizes = (
+            [(64, 2048, 512), (4, 262144, 512), (64, 129280, 50), (1, 262144, 512)]
+            if not small
+            else [(2, 3000, 64)]
+        )
+        for b, s, k in sizes:
+            sets = [(jnp.asarray(rng.standard_normal((b, s)), jnp.float32),) for _ in range(8)]
+            nbytes = 4 * b * s + 8 * b * k
+            shape = f"b{b} s{s} k{k}"
+            tr = record(
+                "topk", shape, "xla lax.top_k", lambda x, k=k: topk(x, k, impl="ref"), sets, 0, nbytes
+            )
+            for blk, nw in [(2048, 16), (4096, 16)]:
+                record(
+                    "topk",
+                    shape,
+                    f"triton blk{blk} w{nw}",
+                    lambda x, k=k, blk=blk, nw=nw: topk(x, k, impl="triton", block=blk, num_warps=nw),
+                    sets,
+                    0,
+                    nbytes,
+                    tr,
+                )
+
+    if "moe" in only:
+        moe_cases(record, small)
+    if "fp8" in only:
+        fp8_cases(record, small)
 
     stamp = datetime.datetime.now(datetime.UTC).strftime("%Y-%m-%dT%H:%MZ")
     result = dict(
@@ -234,13 +250,15 @@ def run(out_dir: str, small: bool = False):
     with open(os.path.join(out_dir, f"kernels_{tag}.json"), "w") as f:
         json.dump(result, f, indent=1)
     print(
-        f"\n{'kernel':14} {'shape':28} {'variant':34} {'us':>9} {'TFLOP/s':>8} {'GB/s':>7} {'roof':>5} {'vs xla':>6}"
+        f"\n{'kernel':14} {'shape':28} {'variant':34} {'us':>9} {'TFLOP/s':>8} {'GB/s':>7} {'roof':>5} "
+        f"{'/peak':>5} {'vs xla':>6} {'err':>8}"
     )
     for r in rows:
         sp = f"{r['speedup_vs_xla_ref']:.2f}" if r["speedup_vs_xla_ref"] else "-"
+        er = f"{r['rel_err']:.1e}" if r["rel_err"] is not None else "-"
         print(
             f"{r['kernel']:14} {r['shape']:28} {r['variant']:34} {r['time_us']:9.1f} {r['tflops']:8.1f} "
-            f"{r['gbps']:7.0f} {r['roofline']:5.2f} {sp:>6}"
+            f"{r['gbps']:7.0f} {r['roofline']:5.2f} {r['vs_bf16_peak']:5.2f} {sp:>6} {er:>8}"
         )
     print(f"{len(errors)} errors")
     plot(rows, os.path.join(out_dir, f"kernels_{tag}.png"))
@@ -272,5 +290,10 @@ if __name__ == "__main__":
     ap = argparse.ArgumentParser()
     ap.add_argument("--out", default=os.environ.get("OUT", "benchmarks/results"))
     ap.add_argument("--small", action="store_true", help="tiny shapes: a smoke run of the script on CPU")
+    ap.add_argument(
+        "--only",
+        default="attn,moe,fp8",
+        help="comma list of sections: attn (attention, indexer, top-k), moe, fp8",
+    )
     args = ap.parse_args()
-    run(args.out, args.small)
+    run(args.out, args.small, tuple(args.only.split(",")))

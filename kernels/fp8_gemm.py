@@ -1,26 +1,99 @@
-"""Public FP8 block-scaled GEMM ops (dense, grouped contiguous, grouped masked); only "ref" exists so far."""
+"""Public FP8 block-scaled GEMM ops (dense, grouped contiguous, grouped masked): impl "auto"|"ref"|"triton"|
+"interpret" (the Triton kernel in its CPU interpreter via a host callback, float32 stand-ins; for tests).
+
+The Triton kernels leave skipped rows (padding, rows past a group's count) unwritten; the reference zeros them.
+"""
 
 from __future__ import annotations
 
+import jax
 import jax.numpy as jnp
+import numpy as np
 
 from djax.kernels.dispatch import resolve
 from djax.kernels.fp8_gemm_ref import fp8_gemm_ref, grouped_contiguous_ref, grouped_masked_ref
+from djax.kernels.fp8_gemm_triton import DEFAULT_CFG as FP8_CFG
+from djax.kernels.grouped_gemm_triton import GemmConfig
+
+IMPLS = ("ref", "triton", "interpret")
 
 
-def fp8_gemm(a, a_scale, b, b_scale, out_dtype=jnp.bfloat16, impl: str = "auto"):
-    """See `fp8_gemm_ref.fp8_gemm_ref` for shapes and scale layout."""
-    resolve(impl, ("ref",), fast=None)
-    return fp8_gemm_ref(a, a_scale, b, b_scale, out_dtype)
+def fp8_gemm(
+    a, a_scale, b, b_scale, out_dtype=jnp.bfloat16, impl: str = "auto", cfg: GemmConfig | None = None
+):
+    """out[m, n] = sum_k a[m, k] b[n, k] with 1x128 / 128x128 scales; see `fp8_gemm_ref.fp8_gemm_ref`."""
+    impl = resolve(impl, IMPLS)
+    if impl == "ref":
+        return fp8_gemm_ref(a, a_scale, b, b_scale, out_dtype)
+    return _run(impl, "dense", a, a_scale, b[None], b_scale[None], None, out_dtype, cfg)
 
 
-def grouped_contiguous(a, a_scale, b, b_scale, m_indices, out_dtype=jnp.bfloat16, impl: str = "auto"):
-    """See `fp8_gemm_ref.grouped_contiguous_ref`."""
-    resolve(impl, ("ref",), fast=None)
-    return grouped_contiguous_ref(a, a_scale, b, b_scale, m_indices, out_dtype)
+def grouped_contiguous(
+    a,
+    a_scale,
+    b,
+    b_scale,
+    m_indices,
+    out_dtype=jnp.bfloat16,
+    impl: str = "auto",
+    cfg: GemmConfig | None = None,
+):
+    """See `fp8_gemm_ref.grouped_contiguous_ref`. Triton: groups start at multiples of cfg.block_m and
+    m is a multiple of it (a tile whose first row is -1 is skipped)."""
+    impl = resolve(impl, IMPLS)
+    if impl == "ref":
+        return grouped_contiguous_ref(a, a_scale, b, b_scale, m_indices, out_dtype)
+    return _run(impl, "contiguous", a, a_scale, b, b_scale, m_indices, out_dtype, cfg)
 
 
-def grouped_masked(a, a_scale, b, b_scale, masked_m, out_dtype=jnp.bfloat16, impl: str = "auto"):
-    """See `fp8_gemm_ref.grouped_masked_ref`."""
-    resolve(impl, ("ref",), fast=None)
-    return grouped_masked_ref(a, a_scale, b, b_scale, masked_m, out_dtype)
+def grouped_masked(
+    a,
+    a_scale,
+    b,
+    b_scale,
+    masked_m,
+    out_dtype=jnp.bfloat16,
+    impl: str = "auto",
+    cfg: GemmConfig | None = None,
+):
+    """See `fp8_gemm_ref.grouped_masked_ref`. Triton: M is a multiple of cfg.block_m."""
+    impl = resolve(impl, IMPLS)
+    if impl == "ref":
+        return grouped_masked_ref(a, a_scale, b, b_scale, masked_m, out_dtype)
+    return _run(impl, "masked", a, a_scale, b, b_scale, masked_m, out_dtype, cfg)
+
+
+def _run(impl, mode, a, a_scale, b, b_scale, groups, out_dtype, cfg):
+    cfg = cfg or FP8_CFG
+    f32 = jnp.float32
+    groups = jnp.zeros((1,), jnp.int32) if groups is None else groups.astype(jnp.int32)
+    out = jax.ShapeDtypeStruct((*a.shape[:-1], b.shape[1]), out_dtype)
+    args = [a, a_scale.astype(f32), b, b_scale.astype(f32), groups]
+    if impl == "interpret":
+        return jax.pure_callback(lambda *h: _host(mode, cfg, out.dtype, *h), out, *args)
+    from djax.ffi import cubin
+    from djax.kernels import fp8_gemm_triton as tk
+
+    nb, n, k = b.shape
+    mg = a.shape[1] if mode == "masked" else 0
+    m = nb * mg if mode == "masked" else a.shape[0]
+    cx = tk.constexprs(m, n, k, mg, mode, cfg)
+    names = ["a_ptr", "as_ptr", "b_ptr", "bs_ptr", "grp_ptr", "c_ptr"]
+    kern = cubin.compile_triton(
+        tk.fp8_gemm_kernel, names, [x.dtype for x in args] + [out_dtype], cx, cfg.num_warps, cfg.num_stages
+    )
+    grid = (-(-m // cfg.block_m) * -(-n // cfg.block_n),)
+    return cubin.launch(kern, grid, args, out)
+
+
+def _host(mode, cfg, out_dtype, a, a_scale, b, b_scale, groups):
+    import torch
+
+    from djax.kernels.fp8_gemm_triton import launch_torch
+
+    t = lambda x: torch.from_numpy(np.array(x, np.float32))  # noqa: E731
+    g = torch.from_numpy(np.array(groups))
+    if mode == "dense":
+        b, b_scale = b[0], b_scale[0]
+    out = launch_torch(t(a), t(a_scale), t(b), t(b_scale), None if mode == "dense" else g, mode, cfg)
+    return out.numpy().astype(out_dtype)

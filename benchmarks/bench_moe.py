@@ -1,0 +1,280 @@
+"""MoE grouped GEMM and FP8 GEMM cases of bench_kernels.py at DeepSeek-V4-Flash shapes (d 4096, f 2048,
+e 256, top-6): each fast output is checked against a reference before it is timed (relative error recorded)."""
+
+from __future__ import annotations
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+
+from djax.kernels.fp8_gemm import fp8_gemm, grouped_contiguous, grouped_masked
+from djax.kernels.fp8_gemm_ref import quantize_act, quantize_weight
+from djax.kernels.grouped_gemm import GemmConfig, grouped_gemm_masked, grouped_swiglu_masked
+from djax.kernels.moe_experts import DECODE_CFG, layout, moe_experts
+from djax.models.moe import experts_batched, experts_dense, experts_gather, experts_ragged
+
+BF16 = jnp.bfloat16
+LIMIT = 10.0
+CHECK_TOKENS = 128  # rows are independent: the slow dense twin checks the first ones
+PREFILL_CFGS = [
+    GemmConfig(64, 128, 64, 4, 4),
+    GemmConfig(128, 128, 64, 8, 3),
+    GemmConfig(64, 64, 64, 4, 4),
+]
+DECODE_CFGS = [DECODE_CFG, GemmConfig(16, 64, 128, 4, 4), GemmConfig(64, 128, 64, 4, 4)]
+FP8_CFGS = [GemmConfig(128, 128, 128, 8, 4), GemmConfig(64, 128, 128, 4, 4)]
+
+
+def rel_err(fn, ref_fn, select, s) -> float:
+    out = np.asarray(select(jax.jit(fn)(*s)), np.float32)
+    ref = np.asarray(jax.jit(ref_fn)(*s), np.float32)
+    return float(np.linalg.norm(out - ref) / max(np.linalg.norm(ref), 1e-30))
+
+
+def _routing(key, n, e, k):
+    """Skewed top-k routing (some experts hot, some nearly idle), weights normalised like V4."""
+    k1, k2 = jax.random.split(key)
+    logits = jax.random.normal(k1, (n, e)) + 2.0 * jax.random.normal(k2, (e,))
+    vals, idx = jax.lax.top_k(logits, k)
+    w = jax.nn.softmax(vals, -1)
+    return w.astype(jnp.float32), idx.astype(jnp.int32)
+
+
+def _weights(key, e, d, f):
+    k1, k2, k3 = jax.random.split(key, 3)
+    scale = d**-0.5
+    w1 = (jax.random.normal(k1, (e, f, d), BF16) * scale).astype(BF16)
+    w3 = (jax.random.normal(k3, (e, f, d), BF16) * scale).astype(BF16)
+    w2 = (jax.random.normal(k2, (e, d, f), BF16) * f**-0.5).astype(BF16)
+    return w1, w2, w3
+
+
+def moe_cases(record, small: bool):
+    d, f, e, k = (4096, 2048, 256, 6) if not small else (64, 32, 8, 2)
+    w1, w2, w3 = _weights(jax.random.key(0), e, d, f)
+    wbytes = 3 * e * f * d * 2
+
+    def dense_first(x, w, i, *ws):
+        c = min(CHECK_TOKENS, x.shape[0])
+        return experts_dense(x[:c], w[:c], i[:c], *ws, LIMIT)
+
+    def first(out):
+        return out[: min(CHECK_TOKENS, out.shape[0])]
+
+    for n in (1024, 4096) if not small else (40,):
+        sets = []
+        for s in range(4):
+            w, idx = _routing(jax.random.key(10 + s), n, e, k)
+            x = jax.random.normal(jax.random.key(20 + s), (n, d), BF16)
+            sets.append((x, w, idx, w1, w2, w3))
+        touched = int((np.bincount(np.asarray(sets[0][2]).ravel(), minlength=e) > 0).sum())
+        flops, nbytes = 2 * n * k * d * f * 3, touched * wbytes // e + 4 * n * d
+        shape = f"n{n} d{d} f{f} e{e} k{k}"
+        check = (dense_first, first)
+        tr = record(
+            "moe_experts",
+            shape,
+            "xla ragged_dot_general",
+            lambda *a: experts_ragged(*a, LIMIT),
+            sets,
+            flops,
+            nbytes,
+            check=check,
+        )
+        record(
+            "moe_experts",
+            shape,
+            "xla batched einsum",
+            lambda *a: experts_batched(*a, LIMIT),
+            sets,
+            flops,
+            nbytes,
+        )
+        for cfg in PREFILL_CFGS + ([DECODE_CFG] if small else []):
+            tag = f"bm{cfg.block_m} bn{cfg.block_n} bk{cfg.block_k} w{cfg.num_warps} st{cfg.num_stages}"
+            record(
+                "moe_experts",
+                shape,
+                f"triton {tag}",
+                lambda *a, cfg=cfg: moe_experts(*a, LIMIT, impl="triton", cfg=cfg),
+                sets,
+                flops,
+                nbytes,
+                tr,
+                check,
+            )
+
+    # decode, batch 64: contiguous moe_experts vs the model's decode paths, then the masked layout alone
+    n = 64 if not small else 8
+    sets = []
+    for s in range(4):
+        w, idx = _routing(jax.random.key(30 + s), n, e, k)
+        sets.append((jax.random.normal(jax.random.key(40 + s), (n, d), BF16), w, idx, w1, w2, w3))
+    counts = np.bincount(np.asarray(sets[0][2]).ravel(), minlength=e)
+    flops, nbytes = 2 * n * k * d * f * 3, int((counts > 0).sum()) * wbytes // e
+    shape = f"decode n{n} d{d} f{f} e{e} k{k}"
+    check = (dense_first, first)
+    tr = record(
+        "moe_experts",
+        shape,
+        "xla batched einsum",
+        lambda *a: experts_batched(*a, LIMIT),
+        sets,
+        flops,
+        nbytes,
+        check=check,
+    )
+    record("moe_experts", shape, "xla gather", lambda *a: experts_gather(*a, LIMIT), sets, flops, nbytes, tr)
+    for cfg in DECODE_CFGS:
+        tag = f"bm{cfg.block_m} bn{cfg.block_n} bk{cfg.block_k} w{cfg.num_warps} st{cfg.num_stages}"
+        record(
+            "moe_experts",
+            shape,
+            f"triton {tag}",
+            lambda *a, cfg=cfg: moe_experts(*a, LIMIT, impl="triton", cfg=cfg),
+            sets,
+            flops,
+            nbytes,
+            tr,
+            check,
+        )
+
+    max_m = n  # capacity: every token may pick the same expert
+    msets = []
+    for x, _, idx, *_ in sets:
+        lay = layout(idx, e, 1)  # unpadded expert order
+        cnt = jnp.bincount(idx.ravel(), length=e).astype(jnp.int32)
+        starts = jnp.cumsum(cnt) - cnt
+        slot = jnp.arange(n * k) - starts[lay.m_indices[: n * k]]
+        xm = jnp.zeros((e, max_m, d), BF16).at[lay.m_indices[: n * k], slot].set(x[lay.rows[: n * k]])
+        msets.append((xm, w1, w3, w2, cnt))
+    live = np.arange(max_m)[None] < np.asarray(msets[0][4])[:, None]
+
+    def masked_pair(xm, w1, w3, w2, cnt, impl, cfg=None):
+        h = grouped_swiglu_masked(xm, w1, w3, cnt, LIMIT, impl=impl, cfg=cfg)
+        return grouped_gemm_masked(h, w2, cnt, impl=impl, cfg=cfg)
+
+    shape = f"masked e{e} M{max_m} d{d} f{f} (n{n} k{k})"
+    tr = record(
+        "grouped_masked",
+        shape,
+        "xla einsum (all rows)",
+        lambda *a: masked_pair(*a, "ref"),
+        msets,
+        flops,
+        nbytes,
+    )
+    for cfg in DECODE_CFGS:
+        if max_m % cfg.block_m:
+            continue
+        record(
+            "grouped_masked",
+            shape,
+            f"triton bm{cfg.block_m} bn{cfg.block_n} bk{cfg.block_k}",
+            lambda *a, cfg=cfg: masked_pair(*a, "triton", cfg),
+            msets,
+            flops,
+            nbytes,
+            tr,
+            (lambda *a: masked_pair(*a, "ref")[live], lambda out: out[live]),
+        )
+
+
+def fp8_cases(record, small: bool):
+    """FP8 block-scaled: dense (m x 4096 x 7168), grouped contiguous and masked at the MoE w1 shape."""
+    f32 = jnp.float32
+    for m, n, kk in [(4096, 4096, 7168), (64, 4096, 7168)] if not small else [(40, 64, 256)]:
+        sets = []
+        for s in range(4):
+            a, a_s = quantize_act(jax.random.normal(jax.random.key(50 + s), (m, kk), f32))
+            b, b_s = quantize_weight(jax.random.normal(jax.random.key(60 + s), (n, kk), f32))
+            sets.append((a, a_s, b, b_s))
+        flops, nbytes = 2 * m * n * kk, m * kk + n * kk + 2 * m * n
+        shape = f"m{m} n{n} k{kk}"
+        tr = record(
+            "fp8_gemm",
+            shape,
+            "xla fp8 dot, per-tensor scale",
+            lambda a, a_s, b, b_s: (
+                jnp.dot(a, b.T, preferred_element_type=f32) * a_s[0, 0] * b_s[0, 0]
+            ).astype(BF16),
+            sets,
+            flops,
+            nbytes,
+        )
+        record(
+            "fp8_gemm",
+            shape,
+            "xla jnp ref (dequant f32)",
+            lambda *a: fp8_gemm(*a, impl="ref"),
+            sets,
+            flops,
+            nbytes,
+            tr,
+        )
+        for cfg in FP8_CFGS:
+            record(
+                "fp8_gemm",
+                shape,
+                f"triton bm{cfg.block_m} bn{cfg.block_n} w{cfg.num_warps} st{cfg.num_stages}",
+                lambda *a, cfg=cfg: fp8_gemm(*a, impl="triton", cfg=cfg),
+                sets,
+                flops,
+                nbytes,
+                tr,
+                (lambda *a: fp8_gemm(*a, impl="ref"), lambda out: out),
+            )
+
+    # grouped, w1 of V4-Flash: contiguous at prefill n=4096 top-6 (rows padded to 128), masked at decode
+    d, f, e, k = (4096, 2048, 256, 6) if not small else (256, 128, 4, 2)
+    b, b_s = quantize_weight(jax.random.normal(jax.random.key(70), (e, f, d), BF16))
+
+    def one(mode, n):
+        w, idx = _routing(jax.random.key(80), n, e, k)
+        if mode == "contiguous":
+            lay = layout(idx, e, 128)
+            x = jax.random.normal(jax.random.key(81), (n, d), f32)
+            a, a_s = quantize_act(jnp.where((lay.rows >= 0)[:, None], x[jnp.maximum(lay.rows, 0)], 0))
+            groups = lay.m_indices
+            rows = min(1024, groups.shape[0])
+            sel = np.asarray(groups[:rows]) >= 0
+            check = (
+                lambda a, a_s, b, b_s, g: grouped_contiguous(
+                    a[:rows], a_s[:rows], b, b_s, g[:rows], impl="ref"
+                )[sel],
+                lambda out: out[:rows][sel],
+            )
+            fast, ref = grouped_contiguous, None
+        else:
+            max_m = n
+            a, a_s = quantize_act(jax.random.normal(jax.random.key(82), (e, max_m, d), f32))
+            groups = jnp.bincount(idx.ravel(), length=e).astype(jnp.int32)
+            live = np.arange(max_m)[None] < np.asarray(groups)[:, None]
+            check = (lambda *z: grouped_masked(*z, impl="ref")[live], lambda out: out[live])
+            fast, ref = grouped_masked, grouped_masked
+        sets = [(a, a_s, b, b_s, groups)]
+        touched = int((np.bincount(np.asarray(idx).ravel(), minlength=e) > 0).sum())
+        flops, nbytes = 2 * n * k * d * f, touched * f * d
+        shape = f"{mode} n{n} e{e} f{f} d{d} k{k}"
+        tr = None
+        if ref is not None:
+            tr = record(
+                "fp8_grouped", shape, "xla jnp ref", lambda *z: ref(*z, impl="ref"), sets, flops, nbytes
+            )
+        for cfg in FP8_CFGS + [GemmConfig(16, 128, 128, 4, 4)]:
+            if mode == "masked" and max_m % cfg.block_m or mode == "contiguous" and 128 % cfg.block_m:
+                continue
+            record(
+                "fp8_grouped",
+                shape,
+                f"triton bm{cfg.block_m} bn{cfg.block_n} w{cfg.num_warps} st{cfg.num_stages}",
+                lambda *z, cfg=cfg: fast(*z, impl="triton", cfg=cfg),
+                sets,
+                flops,
+                nbytes,
+                tr,
+                check,
+            )
+
+    one("contiguous", 4096 if not small else 40)
+    one("masked", 64 if not small else 8)

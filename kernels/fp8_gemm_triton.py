@@ -1,0 +1,126 @@
+"""Triton FP8 e4m3 block-scaled GEMMs (dense, grouped contiguous, grouped masked) for Hopper.
+
+Scales as in fp8_gemm_ref: a_scale f32[rows, ceil(K/128)], b_scale f32[G, ceil(N/128), ceil(K/128)]. Each
+128-wide K block is one fp8 dot started from zero, then scaled and added to a float32 accumulator in
+registers (DeepGEMM's promotion: the tensor cores' fp8 accumulator never sums more than 128 products).
+BLOCK_N divides 128 so a tile sees one weight scale per K block. Tiles and skipped rows as in
+grouped_gemm_triton (DENSE: one group, every row live).
+"""
+
+from __future__ import annotations
+
+import triton
+import triton.language as tl
+
+from djax.kernels.grouped_gemm_triton import GemmConfig, _tile
+
+SCALE_BLOCK = 128
+DEFAULT_CFG = GemmConfig(block_m=128, block_n=128, block_k=128, num_warps=8, num_stages=4)
+
+
+@triton.jit
+def fp8_gemm_kernel(
+    a_ptr,  # fp8[rows, K]
+    as_ptr,  # f32[rows, KB]
+    b_ptr,  # fp8[G, N, K]
+    bs_ptr,  # f32[G, NB, KB]
+    grp_ptr,  # contiguous: int32[M] group per row; masked: int32[G] live rows; dense: unused (any int32)
+    c_ptr,  # [rows, N]
+    M: tl.constexpr,
+    N: tl.constexpr,
+    K: tl.constexpr,
+    MG: tl.constexpr,
+    DENSE: tl.constexpr,
+    MASKED: tl.constexpr,
+    BLOCK_M: tl.constexpr,
+    BLOCK_N: tl.constexpr,
+):
+    BK: tl.constexpr = 128
+    KB: tl.constexpr = (K + BK - 1) // BK
+    NB: tl.constexpr = (N + BK - 1) // BK
+    pid = tl.program_id(0)
+    n_tiles: tl.constexpr = (N + BLOCK_N - 1) // BLOCK_N
+    pid_m = pid // n_tiles
+    pid_n = pid % n_tiles
+    if DENSE:
+        g = tl.full([], 0, tl.int32)
+        src = pid_m.to(tl.int64) * BLOCK_M + tl.arange(0, BLOCK_M)
+        dst = src
+        live = src < M
+    else:
+        g, src, dst, live = _tile(grp_ptr, grp_ptr, pid_m, M, MG, BLOCK_M, MASKED, False)
+        if g < 0:
+            return
+    rn = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
+    n_ok = rn < N
+    rk = tl.arange(0, BK)
+    a_ptrs = a_ptr + src[:, None] * K + rk[None, :]
+    b_ptrs = b_ptr + (g.to(tl.int64) * N + rn[:, None]) * K + rk[None, :]
+    as_ptrs = as_ptr + src * KB
+    bs_ptrs = bs_ptr + (g.to(tl.int64) * NB + (pid_n * BLOCK_N) // BK) * KB
+    acc = tl.zeros([BLOCK_M, BLOCK_N], tl.float32)
+    for kb in range(0, KB):
+        k_ok = kb * BK + rk < K
+        a = tl.load(a_ptrs, mask=live[:, None] & k_ok[None, :], other=0.0)
+        b = tl.load(b_ptrs, mask=n_ok[:, None] & k_ok[None, :], other=0.0)
+        sa = tl.load(as_ptrs + kb, mask=live, other=0.0)
+        sb = tl.load(bs_ptrs + kb)
+        part = tl.dot(a, tl.trans(b))
+        acc += part * (sa * sb)[:, None]
+        a_ptrs += BK
+        b_ptrs += BK
+    tl.store(
+        c_ptr + dst[:, None] * N + rn[None, :],
+        acc.to(c_ptr.dtype.element_ty),
+        mask=live[:, None] & n_ok[None, :],
+    )
+
+
+def constexprs(m: int, n: int, k: int, mg: int, mode: str, cfg: GemmConfig) -> dict:
+    """mode: "dense" | "contiguous" | "masked". m: output rows (masked: groups * mg)."""
+    if SCALE_BLOCK % cfg.block_n:
+        raise ValueError(f"BLOCK_N {cfg.block_n} must divide the 128-wide weight scale block")
+    if mode == "masked" and mg % cfg.block_m:
+        raise ValueError(f"masked rows per group {mg} must be a multiple of BLOCK_M {cfg.block_m}")
+    if mode == "contiguous" and m % cfg.block_m:
+        raise ValueError(f"contiguous rows {m} must be a multiple of BLOCK_M {cfg.block_m}")
+    return dict(
+        M=m,
+        N=n,
+        K=k,
+        MG=mg,
+        DENSE=mode == "dense",
+        MASKED=mode == "masked",
+        BLOCK_M=cfg.block_m,
+        BLOCK_N=cfg.block_n,
+    )
+
+
+def launch_torch(a, a_scale, b, b_scale, groups=None, mode: str = "dense", cfg=DEFAULT_CFG):
+    """Runs the kernel on torch tensors (GPU, or CPU under TRITON_INTERPRET=1 with float32 stand-ins for
+    fp8). dense: a [m, K], b [N, K]; contiguous: a [m, K], b [G, N, K], groups int32[m]; masked:
+    a [G, MG, K], groups int32[G]. Unwritten rows come back as nan."""
+    import torch
+
+    if mode == "dense":
+        b, b_scale = b[None], b_scale[None]
+    nb, n, k = b.shape
+    mg = a.shape[1] if mode == "masked" else 0
+    m = nb * mg if mode == "masked" else a.shape[0]
+    cx = constexprs(m, n, k, mg, mode, cfg)
+    out_dtype = torch.bfloat16 if a.dtype != torch.float32 else torch.float32
+    c = torch.full((*a.shape[:-1], n), float("nan"), dtype=out_dtype, device=a.device)
+    g = groups.to(torch.int32) if groups is not None else torch.zeros(1, dtype=torch.int32, device=a.device)
+    grid = (triton.cdiv(m, cfg.block_m) * triton.cdiv(n, cfg.block_n),)
+    fp8_gemm_kernel[grid](
+        a.contiguous(),
+        a_scale.float().contiguous(),
+        b.contiguous(),
+        b_scale.float().contiguous(),
+        g,
+        c,
+        **cx,
+        num_warps=cfg.num_warps,
+        num_stages=cfg.num_stages,
+    )
+    return c

@@ -1,0 +1,116 @@
+"""Public grouped GEMMs for MoE experts: contiguous and masked layouts, plain or with the fused gate/up SwiGLU.
+
+impl: "auto" (Triton on CUDA, else ref), "ref", "triton" (cubin launched on XLA's stream), or "interpret"
+(the Triton kernel run by its CPU interpreter through a host callback; needs TRITON_INTERPRET=1, for tests).
+Rows the Triton kernels skip (padding rows, rows past a group's count) are left unwritten: their contents
+are undefined ("interpret" returns nan there), where the reference returns 0.
+"""
+
+from __future__ import annotations
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+
+from djax.kernels import grouped_gemm_ref as ref
+from djax.kernels.dispatch import resolve
+from djax.kernels.grouped_gemm_triton import GemmConfig
+
+__all__ = ["GemmConfig", "grouped_gemm", "grouped_gemm_masked", "grouped_swiglu", "grouped_swiglu_masked"]
+
+IMPLS = ("ref", "triton", "interpret")
+
+
+def grouped_gemm(a, b, m_indices, rows=None, impl: str = "auto", cfg: GemmConfig | None = None):
+    """Contiguous layout: out[i] = a[rows[i]] @ b[m_indices[i]]^T.
+
+    a bf16[m, k] (or [n, k] gathered through rows int32[m], -1 = zero row); b bf16[g, n_out, k];
+    m_indices int32[m]: rows sorted by group, every group starting at a multiple of cfg.block_m, -1 for
+    padding (a tile whose first row is -1 is skipped). m must be a multiple of cfg.block_m. Returns [m, n_out].
+    """
+    impl = resolve(impl, IMPLS)
+    if impl == "ref":
+        return ref.contiguous_ref(a, b, m_indices, rows)
+    return _run(impl, a, b, None, m_indices, rows, False, 0.0, cfg)
+
+
+def grouped_gemm_masked(a, b, masked_m, impl: str = "auto", cfg: GemmConfig | None = None):
+    """Masked layout (decode): a bf16[g, M, k], the first masked_m[g] rows of group g live; b bf16[g, n, k].
+    M must be a multiple of cfg.block_m. Returns [g, M, n]."""
+    impl = resolve(impl, IMPLS)
+    if impl == "ref":
+        return ref.masked_ref(a, b, masked_m)
+    return _run(impl, a, b, None, masked_m, None, True, 0.0, cfg)
+
+
+def grouped_swiglu(
+    a, w1, w3, m_indices, limit: float, rows=None, impl: str = "auto", cfg: GemmConfig | None = None
+):
+    """Contiguous layout, gate and up fused: silu(min(a w1^T, limit)) * clip(a w3^T, -limit, limit) per row
+    (no clamp when limit <= 0). w1, w3 bf16[g, f, k]. Layout rules as `grouped_gemm`. Returns [m, f]."""
+    impl = resolve(impl, IMPLS)
+    if impl == "ref":
+        return ref.swiglu_contiguous_ref(a, w1, w3, m_indices, limit, rows)
+    return _run(impl, a, w1, w3, m_indices, rows, False, limit, cfg)
+
+
+def grouped_swiglu_masked(
+    a, w1, w3, masked_m, limit: float, impl: str = "auto", cfg: GemmConfig | None = None
+):
+    """Masked layout, gate and up fused. a bf16[g, M, k]; w1, w3 bf16[g, f, k]. Returns [g, M, f]."""
+    impl = resolve(impl, IMPLS)
+    if impl == "ref":
+        return ref.swiglu_masked_ref(a, w1, w3, masked_m, limit)
+    return _run(impl, a, w1, w3, masked_m, None, True, limit, cfg)
+
+
+def _run(impl, a, b, b3, groups, rows, masked, limit, cfg):
+    cfg = cfg or GemmConfig()
+    b = b.astype(a.dtype)
+    b3 = None if b3 is None else b3.astype(a.dtype)
+    groups = groups.astype(jnp.int32)
+    rows = None if rows is None else rows.astype(jnp.int32)
+    nb, n, k = b.shape
+    out_shape = (nb, a.shape[1], n) if masked else (groups.shape[0], n)
+    if impl == "interpret":
+        return _interpret(a, b, b3, groups, rows, masked, limit, cfg, out_shape)
+    from djax.ffi import cubin
+    from djax.kernels import grouped_gemm_triton as tk
+
+    mg = a.shape[1] if masked else 0
+    m = nb * mg if masked else groups.shape[0]
+    cx = tk.constexprs(m, n, k, mg, masked, rows is not None, cfg)
+    weights = [b] if b3 is None else [b, b3]
+    wnames = ["b_ptr"] if b3 is None else ["w1_ptr", "w3_ptr"]
+    args = [a, groups if rows is None else rows, *weights, groups]
+    names = ["a_ptr", "rows_ptr", *wnames, "grp_ptr", "c_ptr" if b3 is None else "h_ptr"]
+    if b3 is None:
+        fn = tk.grouped_gemm_kernel
+    else:
+        fn, cx = tk.grouped_swiglu_kernel, {**cx, "LIMIT": float(limit)}
+    kern = cubin.compile_triton(
+        fn, names, [x.dtype for x in args] + [a.dtype], cx, cfg.num_warps, cfg.num_stages
+    )
+    return cubin.launch(kern, tk.grid(m, n, cfg), args, jax.ShapeDtypeStruct(out_shape, a.dtype))
+
+
+def _interpret(a, b, b3, groups, rows, masked, limit, cfg, out_shape):
+    def host(a, b, b3, groups, rows):
+        import torch
+
+        from djax.kernels.grouped_gemm_triton import launch_torch
+
+        t = lambda x: None if x is None else torch.from_numpy(np.array(x, np.float32))  # noqa: E731
+        out = launch_torch(
+            t(a),
+            t(b),
+            torch.from_numpy(np.array(groups)),
+            None if rows is None else torch.from_numpy(np.array(rows)),
+            masked,
+            t(b3),
+            limit,
+            cfg,
+        )
+        return out.numpy().astype(a.dtype)
+
+    return jax.pure_callback(host, jax.ShapeDtypeStruct(out_shape, a.dtype), a, b, b3, groups, rows)
