@@ -6,8 +6,8 @@ FLOPs: a V4.1-shaped stack with every per-layer shape of V4.1-Flash (hidden 5120
 lowered with abstract weights (nothing allocated) and counted by XLA's cost analysis on this host.
 Drift: a narrow stack with the same layout and window, random weights, run on CPU; the last prompt
 position's logits of bounded-replay prefill against exact prefill.
-Time (`--time`, on a GPU): a 4-layer stack with full V4.1-Flash per-layer shapes and random bf16 weights
-(about 110 GB: two KV-source layers, ratio 2 then ratio 1 with the candidate selection, then two readers),
+Time (`--time`, on a GPU): a 3-layer stack with full V4.1-Flash per-layer shapes and random bf16 weights
+(about 85 GB: two KV-source layers, ratio 2 then ratio 1 with the candidate selection, then a reader),
 prefill of one prompt timed with and without bounded replay (median of repeats, device synced), with
 XLA's FLOP count of the same compiled programs.
 
@@ -47,8 +47,8 @@ LAYOUT = dict(
 # The timed stack: what fits one H200 in bf16 and still has layers after the last KV source.
 TIME_LAYOUT = dict(
     LAYOUT,
-    num_hidden_layers=4,
-    compress_ratios=(2, 1, 1, 1),
+    num_hidden_layers=3,
+    compress_ratios=(2, 1, 1),
     kv_source_layer_ids=(0, 1),
     index_source_layer_ids=(0, 1),
     candidate_source_layer_id=1,
@@ -142,7 +142,7 @@ def main_time(a):
         "date": time.strftime("%Y-%m-%d"),
         "device": getattr(dev, "device_kind", str(dev)),
         "jax": jax.__version__,
-        "config": "V4.1-Flash per-layer shapes, 4 layers: ratios (2,1,1,1), KV sources (0,1), index sources "
+        "config": "V4.1-Flash per-layer shapes, 3 layers: ratios (2,1,1), KV sources (0,1), index sources "
         "(0,1), candidate source 1; random bf16 weights; batch 1",
         "keep_tokens": cfg.replay_keep_tokens,
     }

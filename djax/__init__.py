@@ -6,6 +6,7 @@ from djax.engine import LLM, CompletionOutput, Engine, EngineConfig, RequestOutp
 from djax.eplb import (
     ExpertLoad,
     Placement,
+    apply_placement,
     expert_counts,
     rebalance,
     rebalance_global,
@@ -27,6 +28,7 @@ __all__ = [
     "ExpertParallel",
     "ExpertLoad",
     "Placement",
+    "apply_placement",
     "evaluate",
     "expert_counts",
     "plan",

@@ -1,4 +1,4 @@
-"""Expert-parallel load balancing (EPLB), host side, in numpy.
+"""Expert-parallel load balancing (EPLB): placements planned on the host in numpy, applied to the weights in JAX.
 
 From measured per-expert load (tokens routed to each logical expert), place logical experts on
 physical expert slots, giving hot experts several replicas, so that every device gets about the
@@ -19,15 +19,24 @@ expert; slot s lives on GPU s // (num_physical // num_gpus)), log2phy int[num_lo
 (-1 padded) and logcnt int[num_logical] (replica count of every logical expert). A 2-D load
 [num_layers, num_logical] gives a placement per layer, stacked (log2phy padded to the widest layer).
 
-`ExpertLoad` accumulates the counts from router choices while running; `expert_counts` turns one
-batch of router indices into counts.
+`ExpertLoad` accumulates the counts from router choices while running (`add_counts` takes the
+in-model counts of `djax.generate(..., count_experts=True)`); `expert_counts` turns one batch of
+router indices into counts. `apply_placement` relays a model's experts by a placement at run time.
 """
 
 from __future__ import annotations
 
+import dataclasses
 from typing import NamedTuple
 
+import jax
+import jax.numpy as jnp
 import numpy as np
+from jax.sharding import Mesh, NamedSharding
+
+from djax.config import ModelConfig
+from djax.quant import QArray
+from djax.sharding import DEFAULT_RULES, ShardingRules, spec_for
 
 
 class Placement(NamedTuple):
@@ -234,6 +243,13 @@ class ExpertLoad:
         for layer in range(self.num_layers):
             self.add(layer, idx[layer], mask)
 
+    def add_counts(self, counts) -> None:
+        """counts: int[num_layers, num_experts] router choices, e.g. `Generated.expert_counts`."""
+        c = np.asarray(counts, np.int64)
+        if c.shape != self.counts.shape:
+            raise ValueError(f"expected counts of shape {self.counts.shape}, got {c.shape}")
+        self.counts += c
+
     def reset(self) -> None:
         self.counts[:] = 0
 
@@ -241,9 +257,107 @@ class ExpertLoad:
         return rebalance(self.counts, num_replicas, num_groups, num_nodes, num_gpus)
 
 
+def _placed_layers(params: dict) -> list[dict]:
+    """The "experts" dicts of the MoE layers of the main stack (the drafter's `mtp` layers stay logical)."""
+    return [lp["ffn"]["experts"] for lp in params["layers"] if "experts" in lp.get("ffn", {})]
+
+
+def _layer_rows(placement: Placement, layers: int) -> list[tuple[np.ndarray, np.ndarray]]:
+    p2l, cnt = np.asarray(placement.phy2log), np.asarray(placement.logcnt)
+    if p2l.ndim == 1:
+        return [(p2l, cnt)] * layers
+    if p2l.shape[0] != layers:
+        raise ValueError(f"placement has {p2l.shape[0]} layers, the model {layers} MoE layers")
+    return list(zip(p2l, cnt, strict=True))
+
+
+@jax.jit
+def _take_experts(w, src: jax.Array):
+    """Rows src of a stacked expert weight (plain or `QArray`): the physical slots' copies."""
+    return jax.tree.map(lambda a: jnp.take(a, src, axis=0), w)
+
+
+def apply_placement(
+    params: dict,
+    config: ModelConfig,
+    placement: Placement | None,
+    mesh: Mesh | None = None,
+    rules: ShardingRules | None = None,
+) -> dict:
+    """Relay the routed experts of every MoE layer by an EPLB placement; the model's outputs do not change.
+
+    params: the model's weights, logical ([e, ...] experts) or already placed by an earlier call;
+    placement: 1-D (one for every layer) or per layer (`rebalance*` on a [layers, e] load), or None
+    to return to the logical layout. mesh / rules (default `DEFAULT_RULES`): where the physical
+    experts go (on "ep"; slot s on ep device s // (num_physical / ep), as `rebalance` assumes).
+
+    Each placed layer's "experts" holds w1, w2, w3 as [num_physical, ...] (slot s = logical expert
+    phy2log[s]; quantized weights included), "log2phy" int32[e, num_physical - e + 1] (-1 padded) and
+    "logcnt" int32[e]; `moe.to_physical` sends token t's choice of x to replica t % logcnt[x]. The
+    map's width depends only on the slot count, so a new placement with as many slots swaps in
+    between steps without recompiling. Returns new params (the other weights are shared, not copied).
+    """
+    rules = DEFAULT_RULES if rules is None else rules
+    layers = _placed_layers(params)
+    e = config.n_routed_experts
+    rows = [None] * len(layers) if placement is None else _layer_rows(placement, len(layers))
+    w13 = ("experts", "expert_mlp", "embed")
+    axes = {"w1": w13, "w2": ("experts", "embed", "expert_mlp"), "w3": w13}
+
+    def put(x, spec_axes, name, indivisible="error"):
+        if mesh is None:
+            return x
+        spec = spec_for(x.shape, spec_axes, mesh, rules, indivisible, name)
+        return jax.device_put(x, NamedSharding(mesh, spec))
+
+    def put_weight(w, name, label):
+        if not isinstance(w, QArray):
+            return put(w, axes[name], label)
+        # Block scales follow where their smaller dims divide, as in `shard_params`.
+        scale = put(w.scale, axes[name], label + ".scale", "replicate")
+        return dataclasses.replace(w, values=put(w.values, axes[name], label), scale=scale)
+
+    out_layers = []
+    for i, (ex, row) in enumerate(zip(layers, rows, strict=True)):
+        # Slot holding each logical expert now (the first replica if already placed).
+        now = np.asarray(ex["log2phy"])[:, 0] if "log2phy" in ex else np.arange(e)
+        if row is None:
+            src, new = now, {}
+        else:
+            p2l, cnt = row
+            ok = p2l.min() >= 0 and p2l.max() < e and cnt.shape == (e,) and cnt.min() >= 1
+            if not ok or np.any(np.bincount(p2l, minlength=e) != cnt):
+                raise ValueError(
+                    f"layer {i}: the placement does not give every one of the {e} experts a slot"
+                )
+            width = p2l.shape[0] - e + 1
+            new = {
+                "log2phy": put(jnp.asarray(_log2phy(p2l, cnt, width), jnp.int32), (None, None), "log2phy"),
+                "logcnt": put(jnp.asarray(cnt, jnp.int32), (None,), "logcnt"),
+            }
+            src = now[p2l]
+        src = jnp.asarray(src, jnp.int32)
+        placed = {}
+        for name in ("w1", "w2", "w3"):
+            w = _take_experts(ex[name], src)
+            placed[name] = put_weight(w, name, f"layer {i} {name}")
+        out_layers.append(
+            {**{k: v for k, v in ex.items() if k not in ("log2phy", "logcnt")}, **placed, **new}
+        )
+
+    it = iter(out_layers)
+    new_params = dict(params)
+    new_params["layers"] = [
+        {**lp, "ffn": {**lp["ffn"], "experts": next(it)}} if "experts" in lp.get("ffn", {}) else lp
+        for lp in params["layers"]
+    ]
+    return new_params
+
+
 __all__ = [
     "ExpertLoad",
     "Placement",
+    "apply_placement",
     "expert_counts",
     "gpu_loads",
     "pack",

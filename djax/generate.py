@@ -82,11 +82,15 @@ class Batch:
 @jax.tree_util.register_dataclass
 @dataclass(frozen=True)
 class Generated:
-    """tokens int32[b, max_new_tokens] (PAD after a row finished); num_tokens int32[b], the EOS included."""
+    """tokens int32[b, max_new_tokens] (PAD after a row finished); num_tokens int32[b], the EOS included.
+
+    expert_counts: int32[layers, experts] router choices per logical expert (`count_experts=True`), else None.
+    """
 
     tokens: jax.Array
     num_tokens: jax.Array
     finished_by_eos: jax.Array = field(default=None)
+    expert_counts: jax.Array = field(default=None)
 
     def to_lists(self) -> list[list[int]]:
         toks, n = np.asarray(self.tokens), np.asarray(self.num_tokens)
@@ -151,12 +155,19 @@ def _eos_table(ids: Sequence[int]) -> np.ndarray:
     return table
 
 
-@partial(jax.jit, static_argnames=("config", "sampling", "max_new_tokens", "max_len", "moe_impl"))
-def _generate(params, batch: Batch, eos, config, sampling, max_new_tokens, max_len, moe_impl):
+@partial(
+    jax.jit, static_argnames=("config", "sampling", "max_new_tokens", "max_len", "moe_impl", "count_experts")
+)
+def _generate(
+    params, batch: Batch, eos, config, sampling, max_new_tokens, max_len, moe_impl, count_experts=False
+):
     """eos: int32[e] (NO_EOS-padded) is an argument, not part of the static config, so EOS settings reuse the program."""
     model = model_module(config)
     b = batch.tokens.shape[0]
-    logits, state = model.prefill(params, batch.tokens, batch.lengths, config, max_len, moe_impl=moe_impl)
+    counting = {"count_experts": True} if count_experts else {}
+    logits, state = model.prefill(
+        params, batch.tokens, batch.lengths, config, max_len, moe_impl=moe_impl, **counting
+    )
 
     def is_eos(tok):
         return jnp.any(tok[:, None] == eos[None, :], axis=-1)
@@ -182,8 +193,8 @@ def _generate(params, batch: Batch, eos, config, sampling, max_new_tokens, max_l
         return step + 1, nxt, state, out, done, count
 
     carry = (jnp.int32(1), tok, state, out, done, count)
-    _, _, _, out, done, count = jax.lax.while_loop(cond, body, carry)
-    return Generated(out, count, done)
+    _, _, state, out, done, count = jax.lax.while_loop(cond, body, carry)
+    return Generated(out, count, done, state.get("expert_counts"))
 
 
 def generate(
@@ -196,6 +207,7 @@ def generate(
     max_len: int | None = None,
     moe_impl: str = "grouped",
     mesh: jax.sharding.Mesh | None = None,
+    count_experts: bool = False,
 ) -> Generated:
     """Generate up to max_new_tokens per row; a row stops at EOS (unless sampling.ignore_eos).
 
@@ -205,12 +217,18 @@ def generate(
     with the params and batch it is given. With a `mesh` whose "ep" axis is larger than 1 the routed
     experts run expert-parallel (`all_to_all` dispatch and combine); place the params with
     `djax.shard_params` and the batch on "dp".
+
+    count_experts (V4 models): also return the router's choices per layer and logical expert in
+    `Generated.expert_counts`, every prompt token and every decode step's row (finished rows keep
+    running, so they count), ready for `djax.ExpertLoad.add_counts`.
     """
     if not isinstance(batch, Batch):
         batch = Batch.from_lists(batch)
     if not isinstance(sampling, SamplingParams):
         raise TypeError(f"sampling must be a djax.SamplingParams, got {type(sampling).__name__}")
     validate(batch, config, max_new_tokens, max_len)
+    if count_experts and not config.is_v4:
+        raise ValueError(f"count_experts is implemented for the V4 family, not {config.model_type!r}")
     if mesh is not None and mesh.shape.get("ep", 1) > 1:
         moe_impl = ExpertParallel(mesh, moe_impl)
     max_len = max_len or batch.tokens.shape[1] + max_new_tokens
@@ -220,5 +238,13 @@ def generate(
     config = config.replace(eos_token_id=())
     sampling = dataclasses.replace(sampling, ignore_eos=False)
     return _generate(
-        params, batch, jnp.asarray(eos), config, sampling, int(max_new_tokens), max_len, moe_impl
+        params,
+        batch,
+        jnp.asarray(eos),
+        config,
+        sampling,
+        int(max_new_tokens),
+        max_len,
+        moe_impl,
+        count_experts,
     )

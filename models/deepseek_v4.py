@@ -27,7 +27,7 @@ from djax.models.layers import (
     unit_rms_norm,
 )
 from djax.models.mhc import hc_head, hc_post, hc_pre, sinkhorn
-from djax.models.moe import moe
+from djax.models.moe import moe_with_counts
 from djax.params import Param
 from djax.params import linear_weight as _w
 from djax.params import norm_weight as _norm
@@ -613,6 +613,7 @@ def run_layers(
     keep > 0 (SWA bounded replay, prefill only): layers after the last KV source run over only the
     last `keep` real tokens of each row, their window keys starting at that replay start; the streams
     returned are then those `keep` positions (row r's last real token at min(valid[r], keep) - 1).
+    A state holding "expert_counts" int32[layers, e] gets its valid tokens' router choices added.
     """
     b, c = tokens.shape
     valid = jnp.full((b,), c, jnp.int32) if valid is None else valid.astype(jnp.int32)
@@ -626,7 +627,7 @@ def run_layers(
         hist = jnp.concatenate([state["history"], tokens], axis=1)
         new_state["history"] = refill_ring(hist[..., None], valid, state["history"].shape[1])[..., 0]
     toks, p0, vl, floor = tokens, pos0, valid, None
-    new_layers, sel, aux = [], {}, {}
+    new_layers, sel, aux, counts = [], {}, {}, []
     for i, (lp, st) in enumerate(zip(params["layers"], state["layers"])):
         if keep and c > keep and i == cfg.last_kv_source + 1:  # bounded replay from here on
             start = jnp.clip(valid - keep, 0, c - keep)
@@ -654,12 +655,17 @@ def run_layers(
             )  # fmt: skip
             h = hc_post(y, h, post, comb)
             x, post, comb, pre = _sublayer_mix(h, pre, lp, "hc_ffn", cfg)
-            y = moe(rms_norm(x, lp["ffn_norm"]["weight"], cfg.rms_norm_eps), lp["ffn"], cfg, toks, moe_impl)
+            real = jnp.arange(toks.shape[1])[None, :] < vl[:, None]
+            xn = rms_norm(x, lp["ffn_norm"]["weight"], cfg.rms_norm_eps)
+            y, cnt = moe_with_counts(xn, lp["ffn"], cfg, toks, moe_impl, real)
+            counts.append(cnt)
             h = hc_post(y, h, post, comb)
             new_layers.append(st)
     if cfg.hc_deferred:  # the last sublayer's pre weights the streams for the head
         h = (pre[..., None] * h).astype(h.dtype)
     new_state["layers"] = new_layers
+    if "expert_counts" in state:
+        new_state["expert_counts"] = state["expert_counts"] + jnp.stack(counts)
     return h, new_state, aux
 
 
@@ -758,15 +764,19 @@ def prefill(
     moe_impl="grouped",
     keep: int | None = None,
     spare: int = 0,
+    count_experts: bool = False,
 ):
     """Right-padded prompts tokens [b, t] with true lengths [b] -> (logits f32[b, v] at each last token, state).
 
     keep: SWA bounded replay length (None: the config's `replay_keep_tokens`; 0: exact prefill).
+    count_experts: the state carries "expert_counts" int32[layers, e], the router's choices so far.
     """
     b, t = tokens.shape
     keep = cfg.replay_keep_tokens if keep is None else keep
     keep = keep if cfg.is_v41 and keep and t > keep else 0
     state = init_state(cfg, b, max(max_len, t), spare)
+    if count_experts:
+        state["expert_counts"] = jnp.zeros((cfg.num_hidden_layers, cfg.n_routed_experts), jnp.int32)
     h, state = extend(params, tokens, state, cfg, lengths, moe_impl, keep)
     last = (jnp.minimum(lengths, keep) if keep else lengths) - 1
     h = jnp.take_along_axis(h, last[:, None, None, None], axis=1)[:, 0]
@@ -815,10 +825,14 @@ def _category(name: str) -> str:
 
 
 def bytes_by_category(cfg: ModelConfig) -> dict[str, dict[str, int]]:
-    """Parameters and bytes (declared dtypes) per category: experts, attention, engram, drafter, other.
+    """Parameters and bytes per category: experts, attention, engram, drafter, other.
+
+    Bytes are in the declared dtypes, except routed experts of a config with `expert_dtype="fp4"`
+    (V4.1-Flash), which count at their packed FP4 size (0.5 byte a value + a UE8M0 byte per 32).
 
     Works from the declaration alone (nothing is allocated), so it runs for the full-size models.
     """
+    from djax.fp4 import stored_nbytes
     from djax.params import _dtype, flatten_names
 
     out: dict[str, dict[str, int]] = {}
@@ -826,5 +840,5 @@ def bytes_by_category(cfg: ModelConfig) -> dict[str, dict[str, int]]:
         n = int(np.prod(p.shape))
         row = out.setdefault(_category(name), {"params": 0, "bytes": 0})
         row["params"] += n
-        row["bytes"] += n * _dtype(p, cfg).itemsize
+        row["bytes"] += stored_nbytes(name, p.shape, _dtype(p, cfg).itemsize, cfg.expert_dtype)
     return out

@@ -114,15 +114,30 @@ def experts_batched(x, weights, idx, w1, w2, w3, limit: float) -> jax.Array:
     h = _swiglu_act(
         jnp.einsum("nd,efd->enf", x, dense(w1, dt)), jnp.einsum("nd,efd->enf", x, dense(w3, dt)), limit
     )
-    return jnp.einsum("enf,edf,ne->nd", h, dense(w2, dt), combine.astype(dt))
+    # Two steps: one einsum over three operands lets XLA transpose all of w2 on every call.
+    out = jnp.einsum("enf,edf->end", h, dense(w2, dt))
+    return jnp.einsum("end,ne->nd", out, combine.astype(dt))
+
+
+def experts_triton(x, weights, idx, w1, w2, w3, limit: float) -> jax.Array:
+    """The grouped GEMM kernels (djax.kernels.moe_experts, CUDA): picks sorted into BLOCK_M-aligned expert
+    groups, fused gate/up SwiGLU, down projection, weighted combine. Reads each touched expert once."""
+    from djax.kernels.moe_experts import moe_experts_triton
+
+    return moe_experts_triton(x, weights, idx, w1, w2, w3, limit)
 
 
 def experts_grouped(x, weights, idx, w1, w2, w3, limit: float) -> jax.Array:
-    """The fast path, chosen by the (static) shapes: gather for a few tokens, all experts batched for a
-    decode-sized batch, the grouped ragged GEMM for prefill."""
+    """The fast path, chosen by the (static) shapes and the backend: gather for a few tokens; on CUDA the
+    Triton grouped GEMMs (XLA lowers `ragged_dot` there densely, every expert on every row); elsewhere
+    all experts batched for a decode-sized batch and the grouped ragged GEMM for prefill."""
+    from djax.kernels.dispatch import has_triton, on_cuda
+
     n, k, e = x.shape[0], idx.shape[1], w1.shape[0]
     if n * k <= e:
         return experts_gather(x, weights, idx, w1, w2, w3, limit)
+    if on_cuda() and has_triton():
+        return experts_triton(x, weights, idx, w1, w2, w3, limit)
     if n <= 256:
         return experts_batched(x, weights, idx, w1, w2, w3, limit)
     return experts_ragged(x, weights, idx, w1, w2, w3, limit)
@@ -153,6 +168,64 @@ class ExpertParallel:
     local: str = "grouped"
 
 
+def to_physical(idx: jax.Array, experts: dict) -> jax.Array:
+    """Logical expert ids int32[n, k] -> physical slots under the placement in `experts` (identity without one).
+
+    A placed layer (`djax.eplb.apply_placement`) carries "log2phy" int32[e, w] (-1 padded) and
+    "logcnt" int32[e]. Token t's choice of expert x goes to replica t % logcnt[x]: deterministic,
+    and a hot expert's tokens spread evenly over its replicas (which hold identical weights).
+    """
+    if "log2phy" not in experts:
+        return idx
+    rep = jnp.arange(idx.shape[0], dtype=jnp.int32)[:, None] % experts["logcnt"][idx]
+    return experts["log2phy"][idx, rep]
+
+
+def moe_with_counts(
+    x: jax.Array,
+    p: dict,
+    cfg: ModelConfig,
+    token_ids: jax.Array | None,
+    impl: str | ExpertParallel = "grouped",
+    valid: jax.Array | None = None,
+) -> tuple[jax.Array, jax.Array]:
+    """`moe` plus the router's load: (out [..., d], counts int32[e]) where counts[x] is the number of
+    (token, choice) pairs routed to logical expert x among the tokens where `valid` (bool[...]) holds."""
+    shape = x.shape
+    flat = x.reshape(-1, shape[-1])
+    ids = None if token_ids is None else token_ids.reshape(-1)
+    weights, idx = route(flat, p["gate"], cfg, ids)
+    e = p["gate"]["weight"].shape[0]
+    ok = (
+        jnp.ones(idx.shape, jnp.int32) if valid is None else jnp.broadcast_to(valid.reshape(-1, 1), idx.shape)
+    )
+    counts = jnp.zeros((e,), jnp.int32).at[idx].add(ok.astype(jnp.int32))
+    ex = p["experts"]
+    phys = to_physical(idx, ex)
+    impls = {
+        "grouped": experts_grouped,
+        "gather": experts_gather,
+        "batched": experts_batched,
+        "ragged": experts_ragged,
+        "triton": experts_triton,
+        "dense": experts_dense,
+    }
+    limit = cfg.swiglu_limit if cfg.is_v4 else 0.0
+    if isinstance(impl, ExpertParallel):
+        from djax.models.moe_ep import moe_ep
+
+        routed, _ = moe_ep(
+            flat, weights, phys, ex["w1"], ex["w2"], ex["w3"], limit, impl.mesh, None, impl.local
+        )
+    elif impl in impls:
+        routed = impls[impl](flat, weights, phys, ex["w1"], ex["w2"], ex["w3"], limit)
+    else:
+        raise ValueError(f"unknown moe impl {impl!r}; choose one of {sorted(impls)} or an ExpertParallel")
+    sh = p["shared_experts"]
+    shared = swiglu(flat, sh["w1"]["weight"], sh["w2"]["weight"], sh["w3"]["weight"], limit)
+    return (routed + shared).reshape(shape), counts
+
+
 def moe(
     x: jax.Array,
     p: dict,
@@ -163,31 +236,7 @@ def moe(
     """Routed experts plus the shared expert. x: [..., d]; token_ids: int[...] (hash layers).
 
     impl: "grouped" (the fast path for the shapes at hand), "gather", "batched", "ragged",
-    "dense" (the slow twin: a scan over experts), or an `ExpertParallel`.
+    "dense" (the slow twin: a scan over experts), or an `ExpertParallel`. Experts relaid by an EPLB
+    placement ([num_physical, ...] weights with "log2phy" / "logcnt") are routed through `to_physical`.
     """
-    shape = x.shape
-    flat = x.reshape(-1, shape[-1])
-    ids = None if token_ids is None else token_ids.reshape(-1)
-    weights, idx = route(flat, p["gate"], cfg, ids)
-    ex = p["experts"]
-    impls = {
-        "grouped": experts_grouped,
-        "gather": experts_gather,
-        "batched": experts_batched,
-        "ragged": experts_ragged,
-        "dense": experts_dense,
-    }
-    limit = cfg.swiglu_limit if cfg.is_v4 else 0.0
-    if isinstance(impl, ExpertParallel):
-        from djax.models.moe_ep import moe_ep
-
-        routed, _ = moe_ep(
-            flat, weights, idx, ex["w1"], ex["w2"], ex["w3"], limit, impl.mesh, None, impl.local
-        )
-    elif impl in impls:
-        routed = impls[impl](flat, weights, idx, ex["w1"], ex["w2"], ex["w3"], limit)
-    else:
-        raise ValueError(f"unknown moe impl {impl!r}; choose one of {sorted(impls)} or an ExpertParallel")
-    sh = p["shared_experts"]
-    shared = swiglu(flat, sh["w1"]["weight"], sh["w2"]["weight"], sh["w3"]["weight"], limit)
-    return (routed + shared).reshape(shape)
+    return moe_with_counts(x, p, cfg, token_ids, impl)[0]

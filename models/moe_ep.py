@@ -74,7 +74,8 @@ def moe_ep(
 ) -> tuple[jax.Array, jax.Array]:
     """Routed experts, expert-parallel over mesh axis "ep". Same math as `moe.experts_grouped`.
 
-    x: [n, d]; weights f32[n, k]; idx int32[n, k] (global expert ids); w1, w3: [e, f, d]; w2: [e, d, f].
+    x: [n, d]; weights f32[n, k]; idx int32[n, k] (global expert ids: physical slots when the experts
+    are placed by `djax.apply_placement`); w1, w3: [e, f, d]; w2: [e, d, f].
     mesh: a mesh with an "ep" axis (and optionally "dp", "tp"); e must divide by ep. n need not divide
     by dp * ep (padded; padding rows are never sent and never counted as drops).
     capacity_factor: None (default) drops nothing; else see `capacity`.
