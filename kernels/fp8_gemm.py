@@ -1,5 +1,5 @@
 """Public FP8 block-scaled GEMM ops (dense, grouped contiguous, grouped masked): impl "auto"|"ref"|"triton"|
-"interpret" (the Triton kernel in its CPU interpreter via a host callback, float32 stand-ins; for tests).
+"tilelang" (dense only)|"interpret" (the Triton kernel in its CPU interpreter via a host callback, float32 stand-ins; for tests).
 
 The Triton kernels leave skipped rows (padding, rows past a group's count) unwritten; the reference zeros them.
 """
@@ -15,16 +15,23 @@ from djax.kernels.fp8_gemm_ref import fp8_gemm_ref, grouped_contiguous_ref, grou
 from djax.kernels.fp8_gemm_triton import DEFAULT_CFG as FP8_CFG
 from djax.kernels.grouped_gemm_triton import GemmConfig
 
-IMPLS = ("ref", "triton", "interpret")
+IMPLS = ("ref", "triton", "tilelang", "interpret")
+GROUPED_IMPLS = ("ref", "triton", "interpret")
 
 
 def fp8_gemm(
     a, a_scale, b, b_scale, out_dtype=jnp.bfloat16, impl: str = "auto", cfg: GemmConfig | None = None
 ):
-    """out[m, n] = sum_k a[m, k] b[n, k] with 1x128 / 128x128 scales; see `fp8_gemm_ref.fp8_gemm_ref`."""
+    """out[m, n] = sum_k a[m, k] b[n, k] with 1x128 / 128x128 scales; see `fp8_gemm_ref.fp8_gemm_ref`.
+
+    impl "tilelang": the TileLang kernel (bf16 out, n and k multiples of 128; needs the `tilelang` extra)."""
     impl = resolve(impl, IMPLS)
     if impl == "ref":
         return fp8_gemm_ref(a, a_scale, b, b_scale, out_dtype)
+    if impl == "tilelang":
+        from djax.kernels.fp8_gemm_tilelang import fp8_gemm_tilelang
+
+        return fp8_gemm_tilelang(a, a_scale, b, b_scale, out_dtype)
     return _run(impl, "dense", a, a_scale, b[None], b_scale[None], None, out_dtype, cfg)
 
 
@@ -40,7 +47,7 @@ def grouped_contiguous(
 ):
     """See `fp8_gemm_ref.grouped_contiguous_ref`. Triton: groups start at multiples of cfg.block_m and
     m is a multiple of it (a tile whose first row is -1 is skipped)."""
-    impl = resolve(impl, IMPLS)
+    impl = resolve(impl, GROUPED_IMPLS)
     if impl == "ref":
         return grouped_contiguous_ref(a, a_scale, b, b_scale, m_indices, out_dtype)
     return _run(impl, "contiguous", a, a_scale, b, b_scale, m_indices, out_dtype, cfg)
@@ -57,7 +64,7 @@ def grouped_masked(
     cfg: GemmConfig | None = None,
 ):
     """See `fp8_gemm_ref.grouped_masked_ref`. Triton: M is a multiple of cfg.block_m."""
-    impl = resolve(impl, IMPLS)
+    impl = resolve(impl, GROUPED_IMPLS)
     if impl == "ref":
         return grouped_masked_ref(a, a_scale, b, b_scale, masked_m, out_dtype)
     return _run(impl, "masked", a, a_scale, b, b_scale, masked_m, out_dtype, cfg)

@@ -1,0 +1,267 @@
+"""FP8 block-scaled GEMM written in TileLang: an sm_90a cubin launched by the FFI cubin launcher, or AscendC.
+
+One TileLang program per backend, both specialised to static (m, n, k):
+- CUDA: cp.async multi-stage pipeline into shared memory, wgmma (fp8 e4m3 x e4m3 -> f32) over each 128-wide
+  k block into a fresh register tile, then DeepGEMM's promotion: the block's partial sum times its activation
+  scale (per row) and weight scale (per 128x128 block) is added into a separate f32 accumulator.
+  TMA and warp specialisation are switched off so that the kernel's parameters are the five device pointers
+  (operands, then the result) that `ffi/csrc/cubin_launch.cc` passes, as for Triton's kernels.
+- Ascend (AscendC source only; no Ascend hardware here): the Cube core does the block GEMM into L0C, the two
+  Vector cores each take half the rows of the partial sum and apply the same promotion in their unified buffer.
+
+Compiling needs TileLang 0.1.15 and, for the cubin, nvcc (13.0 here and on the H200 image), not a GPU.
+"""
+
+import functools
+import hashlib
+import os
+import shutil
+import subprocess
+import tempfile
+from dataclasses import dataclass
+from pathlib import Path
+
+import jax
+import jax.numpy as jnp
+
+BLOCK = 128  # scale granularity along k (and along n for the weights)
+H200_SMS = 132
+_PARAMS = ("A", "AS", "B", "BS", "C")  # kernel parameter order: operands in call order, then the result
+_PASS_CONFIG = {"tl.disable_tma_lower": True, "tl.disable_warp_specialized": True}
+_ARCH = "sm_90a"  # wgmma needs the arch-specific target
+
+
+@dataclass(frozen=True)
+class Tiling:
+    """CUDA tile sizes: block_m rows x block_n columns per CTA, 64 rows per warpgroup."""
+
+    block_m: int
+    block_n: int
+    stages: int
+
+    @property
+    def threads(self) -> int:
+        return 128 * (self.block_m // 64)
+
+
+@dataclass(frozen=True)
+class CudaKernel:
+    """A compiled kernel and everything needed to launch it: grid (x, y, z), threads per CTA (x only),
+    dynamic shared memory in bytes, parameter names in order, and the CUDA source it came from."""
+
+    cubin: object  # djax.ffi.cubin.Cubin
+    grid: tuple[int, int, int]
+    params: tuple[str, ...]
+    source: str
+
+
+def default_tiling(m: int, n: int, k: int) -> Tiling:
+    """Decode (m <= 64): one warpgroup of 64 rows and the widest n tile that still gives about one CTA per SM
+    (the weights stream from memory, so idle SMs are lost bandwidth); prefill: two warpgroups, 128x128."""
+    stages = max(1, min(4 if m <= 64 else 3, k // BLOCK))
+    if m > 64:
+        return Tiling(128, 128, stages)
+    for block_n in (128, 64, 32):
+        if -(-m // 64) * (n // block_n) >= 0.9 * H200_SMS:
+            return Tiling(64, block_n, stages)
+    return Tiling(64, 32, stages)
+
+
+def check_shapes(m: int, n: int, k: int) -> None:
+    if k % BLOCK or n % BLOCK:
+        raise ValueError(f"the TileLang fp8 GEMM needs n and k multiples of {BLOCK}, got n={n} k={k}")
+
+
+def cuda_program(m: int, n: int, k: int, tiling: Tiling):
+    """The TileLang program for CUDA. a fp8[m, k]; a_scale f32[m, k/128]; b fp8[n, k] (k-major, as wgmma
+    wants both operands); b_scale f32[n/128, k/128]; out bf16[m, n]. Partial m tiles are guarded."""
+    import tilelang.language as T
+
+    check_shapes(m, n, k)
+    bm, bn, kb = tiling.block_m, tiling.block_n, k // BLOCK
+    fp8, f32 = "float8_e4m3fn", "float32"
+
+    @T.prim_func
+    def fp8_gemm(
+        A: T.Tensor((m, k), fp8),
+        AS: T.Tensor((m, kb), f32),
+        B: T.Tensor((n, k), fp8),
+        BS: T.Tensor((n // BLOCK, kb), f32),
+        C: T.Tensor((m, n), "bfloat16"),
+    ):
+        with T.Kernel(n // bn, T.ceildiv(m, bm), threads=tiling.threads) as (bx, by):
+            a_s = T.alloc_shared((bm, BLOCK), fp8)
+            b_s = T.alloc_shared((bn, BLOCK), fp8)
+            part = T.alloc_fragment((bm, bn), f32)
+            acc = T.alloc_fragment((bm, bn), f32)
+            c_s = T.alloc_shared((bm, bn), "bfloat16")
+            T.clear(acc)
+            for i in T.Pipelined(kb, num_stages=tiling.stages):
+                T.copy(A[by * bm, i * BLOCK], a_s)
+                T.copy(B[bx * bn, i * BLOCK], b_s)
+                T.gemm(a_s, b_s, part, transpose_B=True, clear_accum=True)
+                # block_n divides 128, so one weight scale covers the whole tile
+                for r, c in T.Parallel(bm, bn):
+                    acc[r, c] += part[r, c] * AS[by * bm + r, i] * BS[bx * bn // BLOCK, i]
+            T.copy(acc, c_s)
+            T.copy(c_s, C[by * bm, bx * bn])
+
+    return fp8_gemm
+
+
+def ascend_program(m: int, n: int, k: int, block_m: int = 128, block_n: int = 128, cores: int = 32):
+    """The same GEMM in TileLang's Ascend dialect: a persistent 1-D grid of AI cores over output tiles.
+    Needs m % block_m == 0 and block_n == 128."""
+    import tilelang.ascend.language as T
+
+    check_shapes(m, n, k)
+    if m % block_m or block_n != BLOCK:
+        raise ValueError(f"Ascend program needs m % {block_m} == 0 and block_n == {BLOCK}")
+    kb, n_tiles, half = k // BLOCK, n // block_n, block_m // 2
+    fp8, f32 = "float8_e4m3fn", "float32"
+
+    @T.prim_func
+    def fp8_gemm(
+        A: T.Tensor((m, k), fp8),
+        AS: T.Tensor((m, kb), f32),
+        B: T.Tensor((n, k), fp8),
+        BS: T.Tensor((n // BLOCK, kb), f32),
+        C: T.Tensor((m, n), "bfloat16"),
+    ):
+        with T.Kernel(cores) as core:
+            a_l1 = T.alloc_l1((block_m, BLOCK), fp8)
+            b_l1 = T.alloc_l1((block_n, BLOCK), fp8)
+            part_l0c = T.alloc_l0c((block_m, block_n), f32)
+            # unified-buffer tiles hold one Vector core's half of the rows
+            part = T.alloc_shared((half, block_n), f32)
+            acc = T.alloc_shared((half, block_n), f32)
+            a_sc = T.alloc_shared((half, kb), f32)
+            b_sc = T.alloc_shared((2, kb), f32)  # one row used; two keep the copy 32-byte aligned
+            out = T.alloc_shared((half, block_n), "bfloat16")
+            for tile in T.Persistent([m // block_m * n_tiles], cores, core):
+                r0, c0 = tile // n_tiles * block_m, tile % n_tiles * block_n
+                T.dual_copy(AS[r0 : r0 + block_m, 0:kb], a_sc)
+                T.copy(BS[c0 // BLOCK : c0 // BLOCK + 1, 0:kb], b_sc[0:1, 0:kb])
+                with T.SimtVF(threads=128):
+                    for r, c in T.Parallel(half, block_n):
+                        acc[r, c] = 0.0
+                for i in T.Pipelined(kb, num_stages=2):
+                    T.copy(A[r0, i * BLOCK], a_l1)
+                    T.copy(B[c0, i * BLOCK], b_l1)
+                    T.gemm(a_l1, b_l1, part_l0c, transpose_B=True, clear_accum=True)
+                    T.dual_copy(part_l0c, part)
+                    with T.SimtVF(threads=128):
+                        for r, c in T.Parallel(half, block_n):
+                            acc[r, c] += part[r, c] * a_sc[r, i] * b_sc[0, i]
+                with T.SimtVF(threads=128):
+                    for r, c in T.Parallel(half, block_n):
+                        out[r, c] = T.cast(acc[r, c], "bfloat16")
+                T.dual_copy(out, C[r0 : r0 + block_m, c0 : c0 + block_n])
+
+    return fp8_gemm
+
+
+def _lower(program, target: dict):
+    import tilelang
+    from tilelang import tvm
+
+    tgt = tvm.target.Target(target)
+    with tvm.transform.PassContext(config=_PASS_CONFIG), tgt:
+        return tilelang.lower(program, target=tgt)
+
+
+def ascend_source(m: int, n: int, k: int) -> str:
+    """AscendC source of the Ascend program (TileLang's "ascend" target; compiling it needs CANN's bisheng)."""
+    return _lower(ascend_program(m, n, k), {"kind": "ascend"}).kernel_source
+
+
+def lower_cuda(m: int, n: int, k: int, tiling: Tiling | None = None) -> tuple[str, dict]:
+    """CUDA source and launch parameters (grid, threads, shared_bytes, params, name). No GPU needed."""
+    tiling = tiling or default_tiling(m, n, k)
+    art = _lower(cuda_program(m, n, k, tiling), {"kind": "cuda", "arch": _ARCH})
+    (gvar, fn), *rest = art.device_mod.functions.items()
+    if rest:
+        raise NotImplementedError("TileLang split the program into several kernels")
+    ext = {str(t): int(v) for t, v in fn.attrs["thread_extent"].items()}
+    if ext.get("threadIdx.y", 1) != 1 or ext.get("threadIdx.z", 1) != 1:
+        raise NotImplementedError(f"the FFI launcher takes 1-D blocks, got {ext}")
+    params = tuple(p.name for p in fn.params)
+    if params != _PARAMS:  # a scalar or descriptor parameter would break the pointer-only launch ABI
+        raise NotImplementedError(f"unexpected kernel parameters {params}")
+    launch = dict(
+        name=gvar.name_hint,
+        grid=(ext.get("blockIdx.x", 1), ext.get("blockIdx.y", 1), ext.get("blockIdx.z", 1)),
+        threads=ext["threadIdx.x"],
+        shared_bytes=int(fn.attrs.get("dyn_shared_memory_buf", 0)),
+        params=params,
+    )
+    return art.kernel_source, launch
+
+
+def _nvcc() -> str:
+    for root in (os.environ.get("CUDA_HOME"), os.environ.get("CUDA_PATH"), "/usr/local/cuda"):
+        if root and (Path(root) / "bin" / "nvcc").exists():
+            return str(Path(root) / "bin" / "nvcc")
+    found = shutil.which("nvcc")
+    if found is None:
+        raise RuntimeError("nvcc not found: set CUDA_HOME")
+    return found
+
+
+def nvcc_cubin(source: str) -> bytes:
+    """Compiles TileLang's CUDA source to an sm_90a cubin, cached on disk by source and compiler."""
+    from tilelang.env import CUTLASS_INCLUDE_DIR, TILELANG_TEMPLATE_PATH
+
+    from djax.ffi.build import cache_dir
+
+    nvcc = _nvcc()
+    flags = ["-cubin", f"-arch={_ARCH}", "-O3", "-std=c++20", "-w"]
+    flags += [f"-I{TILELANG_TEMPLATE_PATH}", f"-I{CUTLASS_INCLUDE_DIR}"]
+    version = subprocess.run([nvcc, "--version"], capture_output=True, text=True).stdout
+    key = hashlib.sha256("\0".join([source, version, *flags]).encode()).hexdigest()[:24]
+    out = cache_dir().parent / "tilelang" / f"fp8_gemm-{key}.cubin"
+    if not out.exists():
+        out.parent.mkdir(parents=True, exist_ok=True)
+        with tempfile.TemporaryDirectory(dir=out.parent) as tmp:
+            src = Path(tmp) / "kernel.cu"
+            src.write_text(source)
+            part = Path(tmp) / out.name
+            run = subprocess.run([nvcc, *flags, str(src), "-o", str(part)], capture_output=True, text=True)
+            if run.returncode:
+                raise RuntimeError(f"nvcc failed on TileLang's source:\n{run.stderr[-4000:]}")
+            os.replace(part, out)
+    return out.read_bytes()
+
+
+@functools.cache
+def cuda_kernel(m: int, n: int, k: int, tiling: Tiling | None = None) -> CudaKernel:
+    """Lowers, compiles (no GPU needed) and describes the kernel for one static shape."""
+    from djax.ffi.cubin import Cubin
+
+    source, launch = lower_cuda(m, n, k, tiling)
+    binary = nvcc_cubin(source)
+    key = "tl-" + hashlib.sha256(binary).hexdigest()[:24]
+    cub = Cubin(key, launch["name"], binary, launch["threads"], launch["shared_bytes"], extra_null=0)
+    return CudaKernel(cub, launch["grid"], launch["params"], source)
+
+
+def fp8_gemm_tilelang(a, a_scale, b, b_scale, out_dtype=jnp.bfloat16, tiling: Tiling | None = None):
+    """out[m, n] = sum_k a[m, k] b[n, k] with DeepGEMM's scales, on a CUDA GPU (sm_90).
+
+    a fp8_e4m3fn[m, k]; a_scale f32[m, k/128]; b fp8_e4m3fn[n, k]; b_scale f32[n/128, k/128]; returns
+    bf16[m, n]. n and k must be multiples of 128 (see `fp8_gemm_ref.fp8_gemm_ref` for the general case).
+    """
+    from djax.ffi import cubin
+
+    m, k = a.shape
+    n = b.shape[0]
+    check_shapes(m, n, k)
+    if jnp.dtype(out_dtype) != jnp.bfloat16:
+        raise ValueError("the TileLang fp8 GEMM writes bfloat16")
+    if a.dtype != jnp.float8_e4m3fn or b.dtype != jnp.float8_e4m3fn or b.shape[1] != k:
+        raise ValueError(f"need fp8_e4m3fn a[m, k], b[n, k]; got {a.dtype}{a.shape}, {b.dtype}{b.shape}")
+    if a_scale.shape != (m, k // BLOCK) or b_scale.shape != (n // BLOCK, k // BLOCK):
+        raise ValueError(f"scale shapes {a_scale.shape}, {b_scale.shape} do not match m={m} n={n} k={k}")
+    kern = cuda_kernel(m, n, k, tiling)
+    args = [a, a_scale.astype(jnp.float32), b, b_scale.astype(jnp.float32)]
+    return cubin.launch(kern.cubin, kern.grid, args, jax.ShapeDtypeStruct((m, n), jnp.bfloat16))
