@@ -1,5 +1,5 @@
 #!/usr/bin/env python3
-"""Generated tokens/s of the shipped djax-tiny-v4 on the CPU, batch 1, float32 (the demo's setting).
+"""Generated tokens/s of a shipped tiny model (djax-tiny or djax-tiny-v4) on the CPU, batch 1, float32 (the demo's setting).
 
 Two ways to generate, both greedy from a 13-token prompt with EOS ignored so every run makes the same
 number of tokens, each compiled first (nothing compiles while timed) and timed `--repeats` times
@@ -11,7 +11,8 @@ number of tokens, each compiled first (nothing compiles while timed) and timed `
 The machine is recorded (CPU model, cores, load average before and after): on a shared machine the
 load average says how many other processes competed for the cores.
 
-Run: python benchmarks/bench_cpu_tiny.py --out benchmarks/results/cpu_tiny_v4.json
+Run: python benchmarks/bench_cpu_tiny.py --model djax-tiny-v4 --out benchmarks/results/cpu_tiny_v4.json
+     python benchmarks/bench_cpu_tiny.py --model djax-tiny --out benchmarks/results/cpu_tiny_v41.json
 """
 
 from __future__ import annotations
@@ -32,7 +33,8 @@ import jax.numpy as jnp
 import djax
 from djax.sampling import sample
 
-ASSET = Path(djax.__file__).resolve().parent / "assets" / "djax-tiny-v4"
+ASSETS = Path(djax.__file__).resolve().parent / "assets"
+MODELS = ("djax-tiny", "djax-tiny-v4")  # DeepSeek-V4.1 and V4 at toy size
 PROMPT = "class Stack:\n    def __init__(self):\n"
 
 
@@ -98,18 +100,21 @@ def time_cli_loop(params, config, prompt: list[int], new: int, repeats: int) -> 
 
 def main(argv: list[str] | None = None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    ap.add_argument("--checkpoint", default=str(ASSET))
+    ap.add_argument("--model", choices=MODELS, default="djax-tiny-v4", help="which shipped model")
+    ap.add_argument("--checkpoint", help="another HF-format directory instead of a shipped model")
     ap.add_argument("--new-tokens", type=int, default=128)
     ap.add_argument("--repeats", type=int, default=5)
     ap.add_argument("--out", help="write the JSON result here")
     args = ap.parse_args(argv)
     from tokenizers import Tokenizer
 
+    path = Path(args.checkpoint) if args.checkpoint else ASSETS / args.model
     load_before = os.getloadavg()
-    config, params = djax.load_checkpoint(args.checkpoint, progress=False)
-    prompt = Tokenizer.from_file(str(Path(args.checkpoint) / "tokenizer.json")).encode(PROMPT).ids
+    config, params = djax.load_checkpoint(path, progress=False)
+    prompt = Tokenizer.from_file(str(path / "tokenizer.json")).encode(PROMPT).ids
     result = {
-        "model": Path(args.checkpoint).name,
+        "model": path.name,
+        "model_type": config.model_type,
         "dtype": config.dtype,
         "batch": 1,
         "prompt_tokens": len(prompt),
@@ -126,7 +131,7 @@ def main(argv: list[str] | None = None) -> int:
         },
         "date": datetime.date.today().isoformat(),
     }
-    print(f"{'djax-tiny-v4, CPU, batch 1':<40}{'tokens/s':>10}")
+    print(f"{path.name + ', CPU, batch 1':<40}{'tokens/s':>10}")
     print(f"{'djax.generate (prefill + while_loop)':<40}{result['generate']['tokens_per_s']:>10}")
     print(f"{'CLI loop (djax.decode per token)':<40}{result['cli_loop']['median']:>10}")
     print(

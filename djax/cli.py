@@ -13,12 +13,13 @@ import jax.numpy as jnp
 from tqdm import tqdm
 
 import djax
+from djax.engine import DEFAULT_MODEL
 from djax.sampling import sample
 
 
 def default_checkpoint() -> Path:
-    """The embedded default model, shipped inside the package."""
-    return Path(__file__).parent / "assets" / "djax-tiny-v4"
+    """The embedded default model, shipped inside the package (djax-tiny-v4, DeepSeek-V4-Flash at toy size)."""
+    return DEFAULT_MODEL
 
 
 def _load(args) -> tuple[djax.ModelConfig, dict, object | None]:

@@ -30,6 +30,9 @@ from djax.engine_step import engine_step, init_store
 from djax.scheduler import Plan, Scheduler, Status
 from djax.scheduler import Sequence as Seq
 
+# The embedded default model (HF layout, shipped in the package).
+DEFAULT_MODEL = Path(__file__).parent / "assets" / "djax-tiny-v4"
+
 NUM_BANNED = 16  # EOS + stop ids masked while min_tokens is not reached
 
 
@@ -402,14 +405,15 @@ class Engine:
 class LLM:
     """Offline batch generation: `LLM(path_or_(config, params)).generate(prompts, params)`.
 
-    With no model, the embedded default (djax-tiny-v4, shipped in the package) is loaded.
+    With no model, the embedded default (djax-tiny-v4, DeepSeek-V4-Flash at toy size, shipped in the package)
+    is loaded.
     """
 
     def __init__(
         self, model=None, engine_config: EngineConfig | None = None, tokenizer=None, dtype: str | None = None
     ):
         if model is None:
-            model = Path(__file__).parent / "assets" / "djax-tiny-v4"
+            model = DEFAULT_MODEL
         if isinstance(model, (str, Path)):
             from djax.checkpoint import load_checkpoint
 

@@ -136,7 +136,8 @@ def experts_grouped(x, weights, idx, w1, w2, w3, limit: float) -> jax.Array:
     n, k, e = x.shape[0], idx.shape[1], w1.shape[0]
     if n * k <= e:
         return experts_gather(x, weights, idx, w1, w2, w3, limit)
-    if on_cuda() and has_triton():
+    d, f = x.shape[1], w1.shape[1]
+    if on_cuda() and has_triton() and d % 128 == 0 and f % 128 == 0:  # whole GEMM tiles only
         return experts_triton(x, weights, idx, w1, w2, w3, limit)
     if n <= 256:
         return experts_batched(x, weights, idx, w1, w2, w3, limit)
