@@ -320,7 +320,9 @@ def load_checkpoint(
 
     Headers are checked before any data is read: a missing, unexpected or mis-shaped tensor, or an
     FP8 tensor without a scale, raises CheckpointError naming it. MTP tensors are optional; when
-    the files hold none, the params have no "mtp" entry.
+    the files hold none, the params have no "mtp" entry. V4.1's Engram token map
+    (`engram_token_map`) is optional too: DeepSeek derives it from the tokenizer, so without the
+    tensor it is built from the folder's tokenizer.json.
     """
     path = Path(path)
     config, block = _read_config(path, dtype)
@@ -329,13 +331,43 @@ def load_checkpoint(
     with_mtp = any(n.startswith("mtp.") for n in found)
     tree = module.declare(config, with_mtp=with_mtp)
     decl = {k: v for k, v in flatten_names(tree).items() if is_param(v)}
-    plan = _plan(found, decl, block)
+    derived = {}
+    if ENGRAM_MAP in decl and ENGRAM_MAP not in found:
+        derived[ENGRAM_MAP] = _engram_map_from_tokenizer(path, config)
+    plan = _plan(found, {k: v for k, v in decl.items() if k not in derived}, block)
 
     shard_of = _shardings_by_name(shardings, decl)
     out = {}
     for name in tqdm(decl, desc="loading", unit="tensor", disable=not progress):
-        out[name] = _load(plan[name], decl[name], config, block, keep_quantized, shard_of.get(name))
+        if name in derived:
+            out[name] = jax.device_put(derived[name], shard_of.get(name))
+        else:
+            out[name] = _load(plan[name], decl[name], config, block, keep_quantized, shard_of.get(name))
     return config, unflatten_names(out, tree)
+
+
+ENGRAM_MAP = "engram_token_map"
+
+
+def _engram_map_from_tokenizer(path: Path, config: ModelConfig) -> np.ndarray:
+    """V4.1's token -> compressed id map, from the checkpoint's tokenizer.json, checked against the config."""
+    from tokenizers import Tokenizer
+
+    from djax.models.engram import compressed_token_map
+
+    file = path / "tokenizer.json"
+    if not file.exists():
+        raise CheckpointError(
+            f"checkpoint does not match the model:\n  missing tensors: {ENGRAM_MAP!r}, and no tokenizer.json in "
+            f"{path} to build it from"
+        )
+    token_map, count = compressed_token_map(Tokenizer.from_file(str(file)))
+    if token_map.shape[0] != config.vocab_size or count != config.engram_compressed_vocab_size:
+        raise CheckpointError(
+            f"{ENGRAM_MAP} built from {file} maps {token_map.shape[0]} tokens to {count} ids; the config "
+            f"says vocab_size {config.vocab_size}, engram_compressed_vocab_size {config.engram_compressed_vocab_size}"
+        )
+    return token_map
 
 
 # ---- writing -----------------------------------------------------------------------------------------

@@ -178,7 +178,8 @@ def declare(cfg: ModelConfig, with_mtp: bool = True) -> dict:
     if not cfg.hc_deferred:
         tree.update(_head_hc(cfg, "hc_head"))
     if cfg.engram_layer_ids:
-        # Token id -> compressed (normalised) id. Built from the tokenizer, not stored in checkpoints.
+        # Token id -> compressed (normalised) id. DeepSeek derives it from the tokenizer; djax saves it, and
+        # load_checkpoint builds it from tokenizer.json when a checkpoint lacks it (engram.compressed_token_map).
         tree["engram_token_map"] = Param((v,), (None,), "int32", "hash", cfg.engram_compressed_vocab_size)
     if cfg.is_v41:
         if with_mtp and cfg.num_nextn_predict_layers:

@@ -26,6 +26,40 @@ HOST = "pinned_host"
 CLAMP = 1e-6  # the gate's signed sqrt never sees |dot| below this
 
 
+# ---- the compressed vocabulary -----------------------------------------------------------------
+def compressed_token_map(tokenizer) -> tuple[np.ndarray, int]:
+    """Token id -> compressed id, int32[vocab] (ids numbered in order of first use), and the id count.
+
+    DeepSeek's rule: a token's decoded text goes through NFKC, NFD, accent stripping, lower-casing
+    and whitespace-run collapsing, then is stripped, except that a text which is exactly one space
+    stays one space; tokens with equal results share an id. A token whose text normalises to
+    nothing keeps its own text as key; a byte fragment (decodes to U+FFFD) is keyed by its raw token.
+    `tokenizer`: a `tokenizers.Tokenizer`.
+    """
+    from tokenizers import Regex, normalizers
+
+    keep_space = "\ue000"  # a private-use character standing in for a lone space across the strip
+    norm = normalizers.Sequence(
+        [
+            normalizers.NFKC(),
+            normalizers.NFD(),
+            normalizers.StripAccents(),
+            normalizers.Lowercase(),
+            normalizers.Replace(Regex(r"[ \t\r\n]+"), " "),
+            normalizers.Replace(Regex(r"^ $"), keep_space),
+            normalizers.Strip(),
+            normalizers.Replace(keep_space, " "),
+        ]
+    )
+    ids: dict[str, int] = {}
+    out = []
+    for i in range(tokenizer.get_vocab_size(with_added_tokens=True)):
+        text = tokenizer.decode([i], skip_special_tokens=False)
+        key = tokenizer.id_to_token(i) if "\ufffd" in text else (norm.normalize_str(text) or text)
+        out.append(ids.setdefault(key, len(ids)))
+    return np.asarray(out, np.int32), len(ids)
+
+
 # ---- hashing constants -------------------------------------------------------------------------
 def _is_prime(n: int) -> bool:
     if n < 2:

@@ -37,11 +37,9 @@ in bf16 (the norms, mHC and biases in float32; V4.1's Engram token map as int32)
 dtype float32: djax and HF transformers compute in float32 by default.
 
 V4.1's Engram hashes n-grams of compressed token ids. DeepSeek builds the token -> compressed id map
-from its tokenizer (text normalisation); djax declares it as the int32 tensor `engram_token_map`.
-djax-tiny's map comes from the shipped tokenizer by `engram_token_map`: tokens whose text is the
-same after NFKC, lower-casing and stripping surrounding whitespace share an id (all-whitespace
-tokens, such as indentation, keep their own; byte fragments that decode to no text keep their own),
-8192 -> 5079 ids. It ships in model.safetensors like any weight.
+from its tokenizer (text normalisation); djax declares it as the int32 tensor `engram_token_map`
+and builds it with `djax.models.engram.compressed_token_map` (the shipped tokenizer: 8192 -> 4986
+ids). It ships in model.safetensors like any weight.
 """
 
 from __future__ import annotations
@@ -52,7 +50,6 @@ import math
 import shutil
 import sys
 import time
-import unicodedata
 from functools import partial
 from pathlib import Path
 
@@ -67,6 +64,7 @@ import djax  # noqa: E402
 from djax.config import CSA  # noqa: E402
 from djax.models import deepseek_v4 as v4  # noqa: E402
 from djax.models import engram  # noqa: E402
+from djax.models.engram import compressed_token_map  # noqa: E402
 from djax.models.layers import rms_norm  # noqa: E402
 from djax.models.mhc import hc_post, hc_pre  # noqa: E402
 from djax.models.moe import moe, route  # noqa: E402
@@ -163,7 +161,7 @@ TINY_V41 = _sized_engram_tables(
         # Before a document's <bos> the training stream holds the previous one's <eos>: the same
         # n-grams as a prompt's start, where the history is padding.
         engram_pad_id=EOS,
-        engram_compressed_vocab_size=5079,  # `engram_token_map` of the shipped tokenizer
+        engram_compressed_vocab_size=4986,  # `engram_token_map` of the shipped tokenizer
         replay_keep_tokens=76,  # sliding_window + 12, as V4.1-Flash's 140 = 128 + 12
         bos_token_id=BOS,
         eos_token_id=(EOS,),
@@ -186,23 +184,8 @@ def encode_files(tokenizer, texts: list[str]) -> list[np.ndarray]:
 
 
 def engram_token_map(tokenizer) -> tuple[np.ndarray, int]:
-    """Engram's token -> compressed id map int32[vocab] (ids numbered in order of first use) and the id count.
-
-    Tokens share an id when their text is the same after NFKC, lower-casing and stripping surrounding
-    whitespace; an all-whitespace token (indentation) keeps its text, and a byte fragment that decodes
-    to no text (U+FFFD) keeps its own id.
-    """
-    ids: dict[tuple[str, str], int] = {}
-    out = []
-    for i in range(tokenizer.get_vocab_size()):
-        text = tokenizer.decode([i], skip_special_tokens=False)
-        if "\ufffd" in text:
-            key = ("token", tokenizer.id_to_token(i))
-        else:
-            norm = unicodedata.normalize("NFKC", text).lower()
-            key = ("text", norm.strip() or norm)
-        out.append(ids.setdefault(key, len(ids)))
-    return np.asarray(out, np.int32), len(ids)
+    """Engram's token -> compressed id map int32[vocab] and the id count (DeepSeek's normalisation rule)."""
+    return compressed_token_map(tokenizer)
 
 
 def file_windows(ids: np.ndarray, seq_len: int) -> tuple[np.ndarray, np.ndarray]:

@@ -5,6 +5,7 @@ from pathlib import Path
 import jax
 import jax.numpy as jnp
 import numpy as np
+import pytest
 
 from djax.config import preset
 from djax.models import engram
@@ -59,3 +60,53 @@ def test_host_table_brings_only_rows_to_device():
     got = jax.jit(engram.fetch_rows)(host, ids)
     assert got.sharding.memory_kind == "device"
     np.testing.assert_array_equal(np.asarray(got), np.asarray(table)[np.asarray(ids)])
+
+
+def test_token_map_follows_the_normalisation_and_is_built_on_load_when_absent(tmp_path):
+    """The compressed vocabulary: brute force over the rule's cases, then a checkpoint without the
+    tensor loads with the map built from its tokenizer.json (and says why when it cannot)."""
+    import shutil
+
+    from tokenizers import Tokenizer
+
+    import djax
+    from djax.checkpoint import CheckpointError
+    from djax.params import flatten_names
+    from djax.safetensors_io import SafetensorsFile, save_file
+    from tests.test_fp4 import SMALL, _random_params
+
+    tok_file = Path(djax.__file__).parent / "assets" / "djax-tiny-v4" / "tokenizer.json"
+    tok = Tokenizer.from_file(str(tok_file))
+    tmap, count = engram.compressed_token_map(tok)
+    one = lambda s: tmap[tok.token_to_id(s)]  # noqa: E731  (byte-level spellings: Ġ is a space)
+    assert one("Ġself") == one("self")  # surrounding whitespace stripped
+    assert one("Ġ") == one("ĠĠ") == one("Ċ") != one("self")  # whitespace runs collapse to one space
+    assert len(set(tmap.tolist())) == count and tmap.max() == count - 1
+    assert [int(tmap[i]) for i in range(3)] == [0, 1, 2]  # ids in order of first use
+
+    cfg = SMALL.replace(vocab_size=tok.get_vocab_size(), engram_layer_ids=(0,), engram_num_embeddings=(152,))
+    cfg = cfg.replace(engram_compressed_vocab_size=count)
+    params = _random_params(cfg, 3)
+    params["engram_token_map"] = jnp.asarray(tmap)
+    djax.save_pretrained(params, cfg, tmp_path)
+    f = tmp_path / "model.safetensors"
+    src = SafetensorsFile(f)
+    tensors = {k: np.array(src.get(k)) for k in src.keys() if k != "engram_token_map"}
+    del src
+    save_file(tensors, f)
+    with pytest.raises(CheckpointError, match="engram_token_map.*no tokenizer.json"):
+        djax.load_checkpoint(tmp_path, progress=False)
+    shutil.copy(tok_file, tmp_path / "tokenizer.json")
+    _, loaded = djax.load_checkpoint(tmp_path, progress=False)
+    np.testing.assert_array_equal(np.asarray(loaded["engram_token_map"]), tmap)
+    want, got = flatten_names(params), flatten_names(loaded)
+    for k in want:
+        np.testing.assert_array_equal(np.asarray(got[k]), np.asarray(want[k]), err_msg=k)
+    cfg_file = tmp_path / "config.json"
+    cfg_file.write_text(
+        cfg_file.read_text().replace(
+            f'"engram_compressed_vocab_size": {count}', '"engram_compressed_vocab_size": 7'
+        )
+    )
+    with pytest.raises(CheckpointError, match="engram_compressed_vocab_size 7"):
+        djax.load_checkpoint(tmp_path, progress=False)
