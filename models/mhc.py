@@ -19,10 +19,12 @@ def sinkhorn(logits: jax.Array, iters: int, eps: float) -> jax.Array:
         c = c / (c.sum(-1, keepdims=True) + eps)
         return c / (c.sum(-2, keepdims=True) + eps)
 
-    # Unrolled: a rolled loop becomes a while loop whose trip test the GPU runtime reads back on the host
-    # every iteration (about 0.25 ms each, 150 per decode step on a 4-layer model); unrolled, XLA fuses
-    # the 20 iterations' tiny elementwise ops into a few kernels.
-    return jax.lax.fori_loop(0, iters - 1, step, comb, unroll=True)
+    # Unrolled on GPUs: there a rolled loop becomes a while loop whose trip test the runtime reads back on
+    # the host every iteration (about 0.25 ms each, 150 per decode step on a 4-layer model); unrolled, XLA
+    # fuses the iterations' tiny elementwise ops into a few kernels. Elsewhere the loop stays rolled: it is
+    # cheap on the CPU and unrolling doubles compile times there.
+    unroll = jax.default_backend() == "gpu"
+    return jax.lax.fori_loop(0, iters - 1, step, comb, unroll=unroll)
 
 
 def hc_pre(
