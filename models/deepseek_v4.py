@@ -17,6 +17,10 @@ import jax.numpy as jnp
 import numpy as np
 
 from djax.config import CSA, SLIDING, ModelConfig
+from djax.kernels import dispatch as kdispatch
+from djax.kernels import indexer as kindexer
+from djax.kernels import sparse_attn
+from djax.kernels import topk as ktopk
 from djax.models import engram
 from djax.models.layers import (
     apply_rope_interleaved,
@@ -35,6 +39,12 @@ from djax.quant import dense
 
 F32 = jnp.float32
 NEG_INF = -jnp.inf
+
+# `kernels`, an argument of the step functions: how decode steps (chunks of one token) run attention and
+# the indexer. "auto": the Triton kernels of djax.kernels where they apply (CUDA with Triton, bf16,
+# kernel-friendly shapes), the jnp path below everywhere else; "ref": through the kernels' jnp references
+# on any backend (tests the plumbing); "off": always the jnp path.
+KERNEL_CHOICES = ("auto", "ref", "off")
 
 
 # ---- declaration -----------------------------------------------------------------------------------
@@ -329,6 +339,44 @@ def index_scores(q: jax.Array, keys: jax.Array, weights: jax.Array, cfg: ModelCo
     return jnp.einsum("bths,bth->bts", s, w)
 
 
+def _pow2(n: int) -> bool:
+    return n >= 16 and n & (n - 1) == 0
+
+
+def _decode_impl(c: int, dtype, triton_shapes: bool, kernels: str) -> str | None:
+    """The djax.kernels impl for a chunk of c tokens under `kernels`, or None for the jnp path."""
+    if kernels not in KERNEL_CHOICES:
+        raise ValueError(f"kernels must be one of {KERNEL_CHOICES}, got {kernels!r}")
+    if c != 1 or kernels == "off":
+        return None
+    if kernels == "ref":
+        return "ref"
+    fast = kdispatch.on_cuda() and kdispatch.has_triton() and jnp.dtype(dtype) == jnp.bfloat16
+    return "triton" if fast and triton_shapes else None
+
+
+def _index_impl(c: int, q: jax.Array, kernels: str) -> str | None:
+    """Kernel impl for the indexer's scores at decode (q [b, t, H, c]); the Triton kernel needs H, c powers of two."""
+    return _decode_impl(c, q.dtype, _pow2(q.shape[-2]) and _pow2(q.shape[-1]), kernels)
+
+
+def _visible_scores(iq, ipool, iw, pos, ratio: int, cfg: ModelConfig, impl: str | None) -> jax.Array:
+    """Indexer scores f32[b, t, C] of the pool entries visible to each query (-inf elsewhere)."""
+    if impl is None:
+        visible = jnp.arange(ipool.shape[1])[None, None, :] < ((pos + 1) // ratio)[..., None]
+        return jnp.where(visible, index_scores(iq, ipool, iw, cfg), NEG_INF)
+    # Decode: the visible entries are a prefix of the pool; the kernel wants the scales inside the weights.
+    w = iw[:, 0].astype(F32) * (cfg.index_n_heads**-0.5 * cfg.index_head_dim**-0.5)
+    return kindexer.index_scores(iq[:, 0], ipool, w, (pos[:, 0] + 1) // ratio, impl=impl)[:, None]
+
+
+def _topk_picks(scores: jax.Array, k: int, impl: str) -> tuple[jax.Array, jax.Array]:
+    """`select_entries` for one query (scores f32[b, 1, C]) through the top-k kernel: (top, eligible)."""
+    impl = "auto" if impl == "triton" else impl  # the op picks lax.top_k for few rows itself
+    _, idx = ktopk.topk(scores[:, 0], min(k, scores.shape[-1]), impl=impl)
+    return jnp.maximum(idx, 0)[:, None], (idx >= 0)[:, None]
+
+
 def _indexer_query(p: dict, x: jax.Array, q_res: jax.Array, pos: jax.Array, cfg: ModelConfig):
     q = linear(q_res, p["wq_b"]["weight"])
     q = q.reshape(*q.shape[:-1], cfg.index_n_heads, cfg.index_head_dim)
@@ -387,7 +435,9 @@ def select_entries(scores: jax.Array, k: int) -> tuple[jax.Array, jax.Array]:
     return top, jnp.isfinite(best)
 
 
-def _shared_compressed(p, x, q_res, pos, pos0, valid, st, shared, sel, cfg: ModelConfig, layer: int):
+def _shared_compressed(
+    p, x, q_res, pos, pos0, valid, st, shared, sel, cfg: ModelConfig, layer: int, kernels: str = "auto"
+):
     """V4.1 compressed keys of `layer`: (pool [b, C, k], top [b, t, k], eligible [b, t, k]).
 
     A KV-source layer runs its compressor into its own state; other layers read the pools of their
@@ -405,16 +455,16 @@ def _shared_compressed(p, x, q_res, pos, pos0, valid, st, shared, sel, cfg: Mode
         shared = st
     pool, ipool = shared["pool"], shared["index_pool"]
     if layer in cfg.index_source_layer_ids:
-        cap = pool.shape[1]
-        visible = jnp.arange(cap)[None, None, :] < ((pos + 1) // ratio)[..., None]
         iq, iw = _indexer_query(p["indexer"], x, q_res, pos, cfg)
-        scores = jnp.where(visible, index_scores(iq, ipool, iw, cfg), NEG_INF)
+        impl = _index_impl(x.shape[1], iq, kernels)
+        scores = _visible_scores(iq, ipool, iw, pos, ratio, cfg, impl)
         cs = cfg.candidate_source_layer_id
         if layer == cs:
             sel["candidates"] = _candidate_blocks(scores, cfg)
         elif 0 <= cs < layer and cfg.kv_source(cs) == src:
             scores = jnp.where(sel["candidates"], scores, NEG_INF)
-        sel[layer] = select_entries(scores, cfg.index_topk)
+        pick = select_entries if impl is None else functools.partial(_topk_picks, impl=impl)
+        sel[layer] = pick(scores, cfg.index_topk)
     top, ok = sel[cfg.index_source(layer)]
     return pool, top, ok
 
@@ -430,6 +480,7 @@ def attention_extend(
     shared=None,
     sel=None,
     floor=None,
+    kernels: str = "auto",
 ):
     """Attention for a chunk x [b, c, d] at positions pos0[b] + j given the layer's decoder state.
 
@@ -453,11 +504,9 @@ def attention_extend(
     win_mask = (dist >= 0) & (dist < win) & (kpos >= lo[:, None])[:, None, :]  # [b, c, R + c]
     st["window"] = _place_ring(refill_ring(keys, valid, r), pos0 + valid - r)
     scale = cfg.head_dim**-0.5
-    logits = [jnp.einsum("bthk,bsk->bhts", q.astype(F32), keys.astype(F32)) * scale]
-    masks, values = [win_mask], [keys]
+    comp = None  # (pool [b, C, k], top int[b, c, T] or None for every visible entry, eligible bool[b, c, T or C])
     if ratio and cfg.is_v41:
-        pool, top, ok = _shared_compressed(p, x, q_res, pos, pos0, valid, st, shared, sel, cfg, layer)
-        _add_selected(q, pool, top, ok, scale, logits, masks, values)
+        comp = _shared_compressed(p, x, q_res, pos, pos0, valid, st, shared, sel, cfg, layer, kernels)
     elif ratio:
         compressor_extend(
             p["compressor"],
@@ -489,21 +538,53 @@ def attention_extend(
                 cfg.index_head_dim,
             )
             iq, iw = _indexer_query(ip, x, q_res, pos, cfg)
-            scores = jnp.where(visible, index_scores(iq, st["index_pool"], iw, cfg), NEG_INF)
-            _, top = jax.lax.top_k(scores, min(cfg.index_topk, cap))  # [b, c, k]
-            _add_selected(
-                q, pool, top, jnp.take_along_axis(visible, top, axis=2), scale, logits, masks, values
-            )
+            impl = _index_impl(c, iq, kernels)
+            scores = _visible_scores(iq, st["index_pool"], iw, pos, ratio, cfg, impl)
+            if impl is None:
+                _, top = jax.lax.top_k(scores, min(cfg.index_topk, cap))  # [b, c, k]
+                comp = (pool, top, jnp.take_along_axis(visible, top, axis=2))
+            else:
+                comp = (pool, *_topk_picks(scores, cfg.index_topk, impl))
         else:
-            logits.append(jnp.einsum("bthk,bsk->bhts", q.astype(F32), pool.astype(F32)) * scale)
-            masks.append(visible)
-            values.append(pool)
+            comp = (pool, None, visible)
+    h, k = q.shape[-2:]
+    impl = _decode_impl(c, q.dtype, h % 32 == 0 and _pow2(k), kernels)
+    if impl is not None:  # decode through the kernel (sparse_decode_ref's math = the softmax below)
+        o = _sparse_decode(q, keys, win_mask, comp, p["attn_sink"], scale, impl)
+        return _output(p, o, pos, cfg, inv_freq), st
+    logits = [jnp.einsum("bthk,bsk->bhts", q.astype(F32), keys.astype(F32)) * scale]
+    masks, values = [win_mask], [keys]
+    if comp is not None and comp[1] is None:  # HCA: every visible entry
+        pool, _, visible = comp
+        logits.append(jnp.einsum("bthk,bsk->bhts", q.astype(F32), pool.astype(F32)) * scale)
+        masks.append(visible)
+        values.append(pool)
+    elif comp is not None:
+        _add_selected(q, *comp, scale, logits, masks, values)
     mask = jnp.concatenate(masks, axis=-1)
     probs = _softmax_with_sink(
         jnp.where(mask[:, None], jnp.concatenate(logits, axis=-1), NEG_INF), p["attn_sink"]
     )
     o = jnp.einsum("bhts,bsk->bthk", probs, jnp.concatenate(values, axis=1).astype(F32)).astype(x.dtype)
     return _output(p, o, pos, cfg, inv_freq), st
+
+
+def _sparse_decode(q, keys, win_mask, comp, sinks, scale: float, impl: str) -> jax.Array:
+    """The decode step's attention through `sparse_decode`: q [b, 1, h, k]; keys [b, R + 1, k] (ring then
+    the new key); win_mask bool[b, 1, R + 1]; comp as in `attention_extend`. Returns o [b, 1, h, k]."""
+    b = q.shape[0]
+    if comp is None:  # a sliding-only layer: one invalid pick (no zero-size buffers for the kernel)
+        pool, picks = keys[:, :1], jnp.full((b, 1), -1, jnp.int32)
+    elif comp[1] is None:  # HCA: every visible entry
+        pool, _, visible = comp
+        picks = jnp.where(visible[:, 0], jnp.arange(pool.shape[1]), -1)
+    else:
+        pool, top, ok = comp
+        picks = jnp.where(ok[:, 0], top[:, 0], -1)
+    o = sparse_attn.sparse_decode(
+        q[:, 0], keys, win_mask[:, 0], pool, picks.astype(jnp.int32), sinks, scale, impl=impl
+    )
+    return o[:, None].astype(q.dtype)
 
 
 def _add_selected(q, pool, top, ok, scale, logits, masks, values):
@@ -607,7 +688,14 @@ def _take_tail(x: jax.Array, start: jax.Array, keep: int, axis: int = 1) -> jax.
 
 
 def run_layers(
-    params: dict, tokens, state: dict, cfg: ModelConfig, valid=None, moe_impl="grouped", keep: int = 0
+    params: dict,
+    tokens,
+    state: dict,
+    cfg: ModelConfig,
+    valid=None,
+    moe_impl="grouped",
+    keep: int = 0,
+    kernels: str = "auto",
 ):
     """`extend` plus what the drafter needs: (streams, state, {target layer: mean attention input [b, c', d]}).
 
@@ -615,6 +703,7 @@ def run_layers(
     last `keep` real tokens of each row, their window keys starting at that replay start; the streams
     returned are then those `keep` positions (row r's last real token at min(valid[r], keep) - 1).
     A state holding "expert_counts" int32[layers, e] gets its valid tokens' router choices added.
+    kernels: how decode steps run attention and the indexer (see KERNEL_CHOICES).
     """
     b, c = tokens.shape
     valid = jnp.full((b,), c, jnp.int32) if valid is None else valid.astype(jnp.int32)
@@ -652,7 +741,7 @@ def run_layers(
             shared = new_layers[src] if src is not None and src < i else None
             y, st = attention_extend(
                 lp["attn"], rms_norm(x, lp["attn_norm"]["weight"], cfg.rms_norm_eps), st, p0, vl, cfg, i,
-                shared, sel, floor,
+                shared, sel, floor, kernels,
             )  # fmt: skip
             h = hc_post(y, h, post, comb)
             x, post, comb, pre = _sublayer_mix(h, pre, lp, "hc_ffn", cfg)
@@ -678,14 +767,16 @@ def extend(
     valid=None,
     moe_impl: str = "grouped",
     keep=0,
+    kernels: str = "auto",
 ):
     """Feed a chunk tokens int[b, c] at positions state['lengths'] + j; the first valid[b] are real.
 
     The one step function behind forward, prefill, chunked prefill and decode. Returns the last
     layer's streams [b, c, n, d] and the state with lengths += valid (rows with valid 0 are untouched).
-    `keep` > 0 turns on SWA bounded replay (see `run_layers`).
+    `keep` > 0 turns on SWA bounded replay (see `run_layers`); `kernels` picks the decode kernels
+    ("auto", "ref", "off": see KERNEL_CHOICES).
     """
-    h, state, _ = run_layers(params, tokens, state, cfg, valid, moe_impl, keep)
+    h, state, _ = run_layers(params, tokens, state, cfg, valid, moe_impl, keep, kernels)
     return h, state
 
 
@@ -784,9 +875,16 @@ def prefill(
     return logits_from_hidden(params, h, cfg), state
 
 
-def decode_step(params: dict, tokens: jax.Array, state: dict, cfg: ModelConfig, moe_impl: str = "grouped"):
+def decode_step(
+    params: dict,
+    tokens: jax.Array,
+    state: dict,
+    cfg: ModelConfig,
+    moe_impl: str = "grouped",
+    kernels: str = "auto",
+):
     """Feed tokens int[b] at positions state['lengths']; return (logits f32[b, v], state with lengths + 1)."""
-    h, state = extend(params, tokens[:, None], state, cfg, moe_impl=moe_impl)
+    h, state = extend(params, tokens[:, None], state, cfg, moe_impl=moe_impl, kernels=kernels)
     return logits_from_hidden(params, h[:, 0], cfg), state
 
 

@@ -44,3 +44,56 @@ def test_forward_and_decode_fast_paths_within_bf16_error(name):
     truth = decode(p32, cfg, "dense")
     err_slow, err_fast = _rel(decode(pbf, bf, "dense"), truth), _rel(decode(pbf, bf, "grouped"), truth)
     assert err_fast <= 2 * err_slow + 1e-3, (err_fast, err_slow)
+
+
+@pytest.mark.parametrize("name", ["tiny-v4", "tiny-v41"])
+def test_decode_kernels_auto_within_bf16_error(name, monkeypatch):
+    """Decode with kernels="auto" (Triton sparse_decode and index_scores) against the jnp path ("off"),
+    both bf16, judged against a float32 run of the jnp path. 32 heads of 64 and 16 indexer heads of 16 meet
+    the kernels' shape rules; rows of different lengths, the shortest with empty HCA / CSA pools at first."""
+    import functools
+
+    from djax.kernels import indexer, sparse_attn
+    from djax.models import deepseek_v4 as v4
+
+    cfg = djax.preset(name).replace(
+        hidden_size=256, moe_intermediate_size=256, n_routed_experts=16, num_attention_heads=32, head_dim=64
+    )
+    bf = cfg.replace(dtype="bfloat16")
+    pbf = djax.init_params(bf, jax.random.key(0))
+    p32 = jax.tree.map(lambda w: w.astype(jnp.float32) if w.dtype == jnp.bfloat16 else w, pbf)
+    tokens = jax.random.randint(jax.random.key(1), (4, 96), 0, cfg.vocab_size)
+    lens = jnp.array([64, 40, 17, 5], jnp.int32)
+    prompt = jnp.where(jnp.arange(64)[None] < lens[:, None], tokens[:, :64], 0)
+
+    calls = []
+
+    def counting(name, fn):
+        def wrapped(*args, **kwargs):
+            calls.append((name, kwargs.get("impl")))
+            return fn(*args, **kwargs)
+
+        return wrapped
+
+    for module, name in ((sparse_attn, "sparse_decode"), (indexer, "index_scores")):
+        monkeypatch.setattr(module, name, counting(name, getattr(module, name)))
+
+    def decode(p, c, mode):
+        _, state = djax.prefill(p, prompt, lens, c, max_len=96)
+        step = jax.jit(functools.partial(v4.decode_step, cfg=c, kernels=mode))
+        out = []
+        for _ in range(12):
+            tok = jnp.take_along_axis(tokens, state["lengths"][:, None], axis=1)[:, 0]
+            logits, state = step(p, tok, state)
+            out.append(logits)
+        return jnp.stack(out)
+
+    truth = decode(p32, cfg, "off")
+    slow = decode(pbf, bf, "off")
+    assert not calls
+    fast = decode(pbf, bf, "auto")
+    layers = cfg.num_hidden_layers
+    assert [i for n, i in calls if n == "sparse_decode"] == ["triton"] * layers, calls
+    assert calls.count(("index_scores", "triton")) >= 1, calls
+    err_slow, err_fast = _rel(slow, truth), _rel(fast, truth)
+    assert err_fast <= 2 * err_slow + 1e-3, (err_fast, err_slow)
