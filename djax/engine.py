@@ -7,6 +7,13 @@ Prefix hits restore a snapshot of the slot state taken at the end of the hit's l
 of recomputing a window tail: with L layers the receptive field of a position grows by one window
 per layer, so an exact tail replay needs about L x window tokens (5.5k for V4-Flash), more than
 most prompts. A hit therefore recomputes nothing before its end, whatever the prefix length.
+
+With a `mesh` (axes "dp", "ep", "tp" from `djax.make_mesh`) the steps run sharded: params placed by
+`djax.shard_params` (or kept as given when already on that mesh, e.g. relaid by
+`djax.apply_placement(..., mesh)`), the routed experts expert-parallel when ep > 1, and every
+per-slot array (slot state, penalty counts, the plan's rows, sampling settings, sampled tokens)
+sharded on "dp" along the slot axis, so max_num_seqs must divide by dp. The paged pools and the
+prefix-cache snapshots are replicated on every device (see `djax.engine_step`).
 """
 
 from __future__ import annotations
@@ -22,13 +29,16 @@ from pathlib import Path
 import jax
 import jax.numpy as jnp
 import numpy as np
+from jax.sharding import Mesh, NamedSharding
 
 from djax.config import ModelConfig
 from djax.config import SamplingParams as GenerateSampling
 from djax.engine_sampling import RowSampling
-from djax.engine_step import engine_step, init_store
+from djax.engine_step import engine_step, init_store, init_store_on, row_sharding, sharded_step
+from djax.models.moe import ExpertParallel
 from djax.scheduler import Plan, Scheduler, Status
 from djax.scheduler import Sequence as Seq
+from djax.sharding import shard_params
 
 # The embedded default model (HF layout, shipped in the package).
 DEFAULT_MODEL = Path(__file__).parent / "assets" / "djax-tiny-v4"
@@ -137,14 +147,46 @@ def _child_seed(seed: int, i: int) -> int:
     return int.from_bytes(hashlib.sha1(f"{seed}/{i}".encode()).digest()[:4], "little")
 
 
+def _on_mesh(params, config: ModelConfig, mesh: Mesh):
+    """params on mesh: kept when every array already is (any rules, EPLB-placed included), else `shard_params`."""
+    leaves = jax.tree.leaves(params)
+    if all(
+        isinstance(x, jax.Array) and isinstance(x.sharding, NamedSharding) and x.sharding.mesh == mesh
+        for x in leaves
+    ):
+        return params
+    if any("log2phy" in lp.get("ffn", {}).get("experts", {}) for lp in params.get("layers", [])):
+        raise ValueError(
+            "these params were relaid by djax.apply_placement without this mesh; "
+            "pass mesh=... to apply_placement so the physical experts are placed on it"
+        )
+    return shard_params(params, config, mesh)
+
+
 class Engine:
-    """Continuous-batching engine over (config, params). `add_request` then `step` until `has_unfinished` is False."""
+    """Continuous-batching engine over (config, params). `add_request` then `step` until `has_unfinished` is False.
+
+    mesh: run sharded (see the module docstring); None runs on the default device.
+    """
 
     def __init__(
-        self, config: ModelConfig, params, engine_config: EngineConfig | None = None, tokenizer=None
+        self,
+        config: ModelConfig,
+        params,
+        engine_config: EngineConfig | None = None,
+        tokenizer=None,
+        mesh: Mesh | None = None,
     ):
-        self.cfg, self.params, self.tokenizer = config, params, tokenizer
         self.ec = ec = (engine_config or EngineConfig()).resolve(config)
+        self.mesh, self.moe_impl = mesh, ec.moe_impl
+        if mesh is not None:
+            dp = mesh.shape.get("dp", 1)
+            if ec.max_num_seqs % dp:
+                raise ValueError(f"max_num_seqs={ec.max_num_seqs} must be a multiple of the mesh's dp={dp}")
+            params = _on_mesh(params, config, mesh)
+            if mesh.shape.get("ep", 1) > 1:
+                self.moe_impl = ExpertParallel(mesh, ec.moe_impl)
+        self.cfg, self.params, self.tokenizer = config, params, tokenizer
         self.sched = Scheduler(
             ec.max_num_seqs,
             ec.num_pages,
@@ -155,8 +197,9 @@ class Engine:
             ec.num_snapshots,
             ec.enable_prefix_caching,
         )
-        self.store = init_store(config, ec)
-        self.prev_tok = jnp.zeros((ec.max_num_seqs,), jnp.int32)
+        self.store = init_store(config, ec) if mesh is None else init_store_on(config, ec, mesh)
+        self._step = engine_step if mesh is None else sharded_step(config, ec, mesh)
+        self.prev_tok = self._rows(np.zeros((ec.max_num_seqs,), np.int32))
         self.rng = np.random.default_rng(ec.seed)
         self.requests: dict[int, tuple[RequestOutput, list[Seq], RequestParams]] = {}
         self.owner: dict[int, tuple[int, int]] = {}  # seq_id -> (request_id, index)
@@ -276,6 +319,12 @@ class Engine:
         cuts = [text.find(s) for s in seq.params.stop if s in text]
         return min(cuts) if cuts else None
 
+    def _rows(self, x: np.ndarray) -> jax.Array:
+        """A host array whose axis 0 is the slot: on the default device, or on "dp" of the mesh."""
+        if self.mesh is None:
+            return jnp.asarray(x)
+        return jax.device_put(x, row_sharding(self.mesh))
+
     def _arrays(self, plan: Plan):
         S = self.ec.max_num_seqs
         samp = RowSampling.empty(S, NUM_BANNED)
@@ -305,17 +354,17 @@ class Engine:
             if p.logprobs is not None and plan.sample[r]:
                 want_lp = self.ec.max_logprobs
         arrays = {
-            k: jnp.asarray(getattr(plan, k))
+            k: self._rows(getattr(plan, k))
             for k in ("tokens", "from_prev", "lengths", "valid", "page_table", "restore", "save")
         }
-        arrays["reset"], arrays["num_prompt"] = jnp.asarray(reset), jnp.asarray(num_prompt)
-        return arrays, RowSampling(**{k: jnp.asarray(v) for k, v in samp.items()}), want_lp
+        arrays["reset"], arrays["num_prompt"] = self._rows(reset), self._rows(num_prompt)
+        return arrays, RowSampling(**{k: self._rows(v) for k, v in samp.items()}), want_lp
 
     def launch(self, plan: Plan, num_logprobs: int | None = None):
         """Send one step to the device; returns (tokens, logprobs, top ids, top logprobs), the store updated."""
         arrays, samp, nlp = self._arrays(plan)
         nlp = nlp if num_logprobs is None else num_logprobs
-        *out, self.store = engine_step(
+        *out, self.store = self._step(
             self.params,
             self.store,
             self.prev_tok,
@@ -324,7 +373,7 @@ class Engine:
             self.cfg,
             self.ec.block_size,
             nlp,
-            self.ec.moe_impl,
+            self.moe_impl,
         )
         return tuple(out)
 
@@ -406,11 +455,16 @@ class LLM:
     """Offline batch generation: `LLM(path_or_(config, params)).generate(prompts, params)`.
 
     With no model, the embedded default (djax-tiny-v4, DeepSeek-V4-Flash at toy size, shipped in the package)
-    is loaded.
+    is loaded. mesh: run the engine's steps sharded over it (`djax.make_mesh`; see the module docstring).
     """
 
     def __init__(
-        self, model=None, engine_config: EngineConfig | None = None, tokenizer=None, dtype: str | None = None
+        self,
+        model=None,
+        engine_config: EngineConfig | None = None,
+        tokenizer=None,
+        dtype: str | None = None,
+        mesh: Mesh | None = None,
     ):
         if model is None:
             model = DEFAULT_MODEL
@@ -427,7 +481,7 @@ class LLM:
             from tokenizers import Tokenizer
 
             tokenizer = Tokenizer.from_file(str(tokenizer))
-        self.engine = Engine(config, params, engine_config, tokenizer)
+        self.engine = Engine(config, params, engine_config, tokenizer, mesh)
 
     def _submit(self, prompts, params) -> list[RequestOutput]:
         if isinstance(prompts, str) or (len(prompts) and isinstance(prompts[0], (int, np.integer))):

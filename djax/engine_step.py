@@ -5,6 +5,9 @@ Store layout, and the cost of paging:
   store["pages"][l]  [num_pages, block_size / m, k] pools of compressed entries (and indexer keys)
   store["snaps"][l]  [num_snapshots, ...] copies of slot state at block ends (prefix-cache hits)
   store["counts"], store["prompt_mask"]  [slots, vocab] for the penalties
+On a mesh (`store_shardings`) the per-slot leaves ("slots", "counts", "prompt_mask") are sharded on
+"dp" along the slot axis; "pages" and "snaps" are replicated, since any slot may own any page or
+snapshot (the gather and the write-back then exchange rows between dp groups).
 The step gathers each row's pages into a contiguous pool (the model's `extend` reads [b, cap, k]),
 runs `extend` on the chunk, writes back only the pages the chunk touched, and samples. The gather
 copies each row's whole pool every step, O(slots x pages_per_seq x block_size / m x k) per
@@ -14,10 +17,11 @@ indexer scores all of it), so paging roughly doubles the pool traffic of a step.
 
 from __future__ import annotations
 
-from functools import partial
+import functools
 
 import jax
 import jax.numpy as jnp
+from jax.sharding import Mesh, NamedSharding, PartitionSpec
 
 from djax.config import ModelConfig
 from djax.engine_sampling import RowSampling, sample_rows
@@ -45,16 +49,31 @@ def init_store(cfg: ModelConfig, ec) -> dict:
     }
 
 
+ROW_KEYS = ("slots", "counts", "prompt_mask")  # store entries with the slot axis first
+
+
+def row_sharding(mesh: Mesh) -> NamedSharding:
+    """Arrays with the slot axis first: on "dp" along it (replicated when dp is 1 or absent)."""
+    return NamedSharding(mesh, PartitionSpec("dp") if mesh.shape.get("dp", 1) > 1 else PartitionSpec())
+
+
+def store_shardings(store: dict, mesh: Mesh) -> dict:
+    """NamedShardings for a store (arrays or shapes): ROW_KEYS on "dp" along axis 0, the rest replicated."""
+    row, rep = row_sharding(mesh), NamedSharding(mesh, PartitionSpec())
+    return {k: jax.tree.map(lambda _, k=k: row if k in ROW_KEYS else rep, v) for k, v in store.items()}
+
+
+def init_store_on(cfg: ModelConfig, ec, mesh: Mesh) -> dict:
+    """`init_store` allocated in place on the mesh, laid out by `store_shardings` (never whole on one device)."""
+    shapes = jax.eval_shape(lambda: init_store(cfg, ec))
+    return jax.jit(lambda: init_store(cfg, ec), out_shardings=store_shardings(shapes, mesh))()
+
+
 def _rows(mask: jax.Array, x: jax.Array) -> jax.Array:
     return mask.reshape(-1, *([1] * (x.ndim - 1)))
 
 
-@partial(
-    jax.jit,
-    static_argnames=("cfg", "block_size", "num_logprobs", "moe_impl"),
-    donate_argnames=("store",),
-)
-def engine_step(
+def _step(
     params, store, prev_tok, arrays: dict, sampling: RowSampling, cfg, block_size, num_logprobs, moe_impl
 ):
     """One scheduler step over every slot (row r = slot r). arrays: the Plan's fields plus reset bool[S] and
@@ -116,3 +135,18 @@ def engine_step(
     tok, lp, top_ids, top_lp = sample_rows(logits, counts, mask, sampling, num_logprobs)
     store = {"slots": slots, "pages": pages, "snaps": snaps, "counts": counts, "prompt_mask": mask}
     return tok, lp, top_ids, top_lp, store
+
+
+_STATIC = ("cfg", "block_size", "num_logprobs", "moe_impl")
+engine_step = jax.jit(_step, static_argnames=_STATIC, donate_argnames=("store",))
+
+
+@functools.cache
+def sharded_step(cfg: ModelConfig, ec, mesh: Mesh):
+    """`engine_step` for resolved engine config ec on a mesh. Its outputs are pinned to the layout of its inputs
+    (`store_shardings`, the per-slot outputs on "dp"): equal input shardings then reuse one compiled program
+    per width, and the donated store's buffers are reused. Cached per (cfg, ec, mesh)."""
+    shapes = jax.eval_shape(lambda: init_store(cfg, ec))
+    row = row_sharding(mesh)
+    out = (row, row, row, row, store_shardings(shapes, mesh))
+    return jax.jit(_step, static_argnames=_STATIC, donate_argnames=("store",), out_shardings=out)
