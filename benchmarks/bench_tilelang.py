@@ -10,6 +10,7 @@ import argparse
 import functools
 import json
 import os
+import sys
 import time
 import traceback
 
@@ -17,27 +18,17 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
+sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+from bench_kernels import COPY_BW, bench  # noqa: E402
+
 from djax.kernels.fp8_gemm_ref import fp8_gemm_ref, quantize_act, quantize_weight
 from djax.kernels.fp8_gemm_tilelang import Tiling, cuda_kernel, default_tiling, fp8_gemm_tilelang
 
 FP8_PEAK = 1979e12  # H200 SXM spec sheet, fp8 dense
-COPY_BW = 4.3e12  # H200 memory bandwidth ceiling used in kernels/NOTES.md
 DECODE = [(64, 4096, 4096), (64, 4096, 7168), (64, 7168, 4096), (64, 16384, 7168)]
 PREFILL = [(4096, 4096, 4096), (4096, 7168, 7168)]
 SWEEP_SHAPE = (64, 4096, 7168)
 SWEEP = [Tiling(64, 32, 4), Tiling(64, 64, 4), Tiling(64, 128, 4), Tiling(64, 32, 2), Tiling(64, 32, 6)]
-
-
-def bench(fn, sets, reps: int = 7) -> float:
-    """Median seconds per call over rotating input sets (so the weights are not L2-resident between calls)."""
-    many = jax.jit(lambda ss: [fn(*s) for s in ss])
-    jax.block_until_ready(many(sets))
-    times = []
-    for _ in range(reps):
-        t0 = time.perf_counter()
-        jax.block_until_ready(many(sets))
-        times.append((time.perf_counter() - t0) / len(sets))
-    return float(np.median(times))
 
 
 def make_sets(n_sets, m, n, k, seed=0):

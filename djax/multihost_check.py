@@ -21,31 +21,6 @@ import os
 import sys
 
 
-def random_params(cfg, seed: int = 0) -> dict:
-    """Random weights for `cfg` made in numpy from the declarations: the same on every host, and no
-    per-shape compiles (`djax.init_params` compiles one initializer per distinct weight shape)."""
-    import jax
-    import jax.numpy as jnp
-    import numpy as np
-
-    from djax.params import declare, is_param
-
-    rng = np.random.default_rng(seed)
-
-    def one(p):
-        dt = jnp.dtype(p.dtype or cfg.dtype)
-        if p.init in ("ones", "zeros"):
-            return (np.ones if p.init == "ones" else np.zeros)(p.shape, dt)
-        if p.init == "hash":
-            return rng.integers(0, p.high, p.shape).astype(dt)
-        if p.init == "uniform":
-            return rng.uniform(-0.5, 0.5, p.shape).astype(dt)
-        std = min(0.02, p.shape[-1] ** -0.5) if len(p.shape) > 1 else 0.02
-        return (std * rng.standard_normal(p.shape)).astype(dt)
-
-    return jax.tree.map(one, declare(cfg), is_leaf=is_param)
-
-
 def _args(argv=None) -> argparse.Namespace:
     ap = argparse.ArgumentParser(prog="python -m djax.multihost_check", description=__doc__.splitlines()[0])
     ap.add_argument(
@@ -80,6 +55,7 @@ def main(argv=None) -> int:
     from jax.sharding import PartitionSpec as P
 
     import djax
+    from djax.params import init_params_host
 
     jax.config.update("jax_default_matmul_precision", "highest")
     if a.cpu_devices:
@@ -102,7 +78,7 @@ def main(argv=None) -> int:
         num_hash_layers=min(base.num_hash_layers, layers),
     )
     # The same seed on every process: identical host values, so device_put onto the global mesh agrees.
-    params = random_params(cfg, 0)
+    params = init_params_host(cfg, 0)
     tokens = np.random.default_rng(1).integers(0, cfg.vocab_size, (2 * a.dp * ep, 16)).astype(np.int32)
 
     local = jax.local_devices()[0]

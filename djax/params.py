@@ -94,6 +94,26 @@ def _init_fn(p: Param, config: ModelConfig, sharding: Any):
     return jax.jit(lambda k: _init_one(p, k, config), out_shardings=sharding)
 
 
+def init_params_host(config: ModelConfig, seed: int = 0) -> dict:
+    """`init_params`'s distributions drawn by numpy on the host: numpy arrays, the same on every host for
+    a seed, and no compiles (`init_params` compiles one initializer per distinct weight shape, which
+    dominates small models on a CPU). `jax.device_put` or `shard_params` places them."""
+    rng = np.random.default_rng(seed)
+
+    def one(p: Param) -> np.ndarray:
+        dtype = np.dtype(_dtype(p, config))
+        if p.init in ("ones", "zeros"):
+            return (np.ones if p.init == "ones" else np.zeros)(p.shape, dtype)
+        if p.init == "hash":
+            return rng.integers(0, p.high, p.shape).astype(dtype)
+        if p.init == "uniform":
+            return rng.uniform(-0.5, 0.5, p.shape).astype(dtype)
+        std = min(0.02, p.shape[-1] ** -0.5) if len(p.shape) > 1 else 0.02
+        return (std * rng.standard_normal(p.shape)).astype(dtype)
+
+    return jax.tree.map(one, declare(config), is_leaf=is_param)
+
+
 def init_params(config: ModelConfig, key: jax.Array, shardings: Any = None) -> dict:
     """Random weights from the declaration, each leaf from its own folded key (optionally placed with shardings)."""
     decl = declare(config)

@@ -14,7 +14,7 @@ import pytest
 import djax
 from djax.models import deepseek_v4
 from djax.models import moe as moe_mod
-from djax.multihost_check import random_params
+from djax.params import init_params_host
 from djax.step import _forward
 
 
@@ -26,7 +26,7 @@ def _cfg():
 @pytest.fixture(scope="module")
 def model():
     cfg = _cfg()
-    return cfg, random_params(cfg, 0)
+    return cfg, init_params_host(cfg, 0)
 
 
 def _placement(seed: int, layers: int = 2, slots: int = 12):
@@ -111,11 +111,11 @@ SCRIPT = textwrap.dedent(
     from jax.sharding import NamedSharding, PartitionSpec as P
     import djax
     from djax.generate import _generate
-    from djax.multihost_check import random_params
+    from djax.params import init_params_host
 
     # One sliding-window layer with a biased router: the cheapest model that routes (compile time).
     cfg = djax.preset("tiny-v4", num_hidden_layers=1, compress_ratios=(0,), num_hash_layers=0)
-    params = random_params(cfg, 0)
+    params = init_params_host(cfg, 0)
     tokens = np.random.default_rng(1).integers(0, cfg.vocab_size, (8, 16)).astype(np.int32)
     ref = np.asarray(djax.forward(params, tokens, cfg))
     batch = djax.Batch.from_lists([[int(t) for t in np.asarray(tokens[i, : 3 + i])] for i in range(8)])

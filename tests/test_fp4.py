@@ -14,9 +14,10 @@ import djax
 from djax import fp4
 from djax.models import deepseek_v4 as v4
 from djax.models import moe
-from djax.params import flatten_names, is_param, unflatten_names
+from djax.params import flatten_names, unflatten_names
 from djax.quant import E8M0, FP4, QArray, dense, from_fp4
 from djax.safetensors_io import SafetensorsFile, save_file
+from tests.test_checkpoint import random_params
 
 # The smallest V4.1 (quick to compile; the routed experts are what these tests are about): one
 # sliding-window MoE layer with 8 experts (w1, w3 [8, 32, 64], w2 [8, 64, 32]), one mHC stream,
@@ -142,25 +143,10 @@ def test_routed_experts_on_fp4_equal_dequantized(impl):
 
 
 # ---- checkpoints ----------------------------------------------------------------------------------
-def _random_params(cfg, seed: int) -> dict:
-    """Fresh random weights for the declared tree (numpy on the host: no compiles)."""
-    rng = np.random.default_rng(seed)
-
-    def draw(p):
-        dtype = jnp.dtype(p.dtype if p.dtype is not None else cfg.dtype)
-        if jnp.issubdtype(dtype, jnp.integer):
-            return jnp.asarray(rng.integers(0, p.high, p.shape), dtype)
-        if len(p.shape) == 1:
-            return jnp.asarray((p.init == "ones") + 0.2 * rng.standard_normal(p.shape), dtype)
-        return jnp.asarray(rng.standard_normal(p.shape) * p.shape[-1] ** -0.5, dtype)
-
-    return jax.tree.map(draw, v4.declare(cfg), is_leaf=is_param)
-
-
 @pytest.fixture(scope="module")
 def fp4_checkpoint(tmp_path_factory):
     """SMALL's random params with every routed expert as an FP4 QArray, saved by `save_pretrained`."""
-    flat = flatten_names(_random_params(SMALL, 5))
+    flat = flatten_names(random_params(SMALL, 5))
     for name in [n for n in flat if EXPERT.search(n)]:
         flat[name] = from_fp4(*map(jnp.asarray, fp4.quantize_fp4(np.asarray(flat[name]))))
     params = unflatten_names(flat, v4.declare(SMALL))

@@ -22,10 +22,10 @@ SCRIPT = textwrap.dedent(
     jax.config.update("jax_default_matmul_precision", "highest")
     import djax
     from djax.engine import LLM, EngineConfig, RequestParams
-    from djax.multihost_check import random_params
+    from djax.params import init_params_host
 
     cfg = djax.preset("tiny-v4", num_hidden_layers=1, compress_ratios=(4,), num_hash_layers=0)
-    params = random_params(cfg, 0)
+    params = init_params_host(cfg, 0)
     ec = EngineConfig(max_num_seqs=4, max_model_len=64, max_num_batched_tokens=32, widths=(1, 8))
     rng = np.random.default_rng(0)
     prompts = [rng.integers(0, cfg.vocab_size, size=n).tolist() for n in (40, 1, 5, 17, 30, 9)]

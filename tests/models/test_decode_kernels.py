@@ -11,7 +11,7 @@ from djax.kernels import indexer as kindexer
 from djax.kernels import sparse_attn
 from djax.kernels import topk as ktopk
 from djax.models import deepseek_v4 as v4
-from djax.params import declare, is_param
+from djax.params import init_params_host
 
 AHEAD, STEPS = 4, 32  # row 1 decodes AHEAD tokens alone, then both rows decode STEPS tokens
 FAST_COMPILE = {"xla_backend_optimization_level": 0}  # halves the compile; both modes get the same codegen
@@ -32,24 +32,6 @@ CONFIGS = {
         dspark_target_layer_ids=(2, 3),
     ),
 }
-
-
-def _params(cfg, seed=0):
-    """Random weights as `init_params` draws them, from numpy (no per-shape compile)."""
-    rng = np.random.default_rng(seed)
-
-    def one(p):
-        dtype = np.dtype(p.dtype or cfg.dtype)
-        if p.init in ("ones", "zeros"):
-            return jnp.full(p.shape, p.init == "ones", dtype)
-        if p.init == "hash":
-            return jnp.asarray(rng.integers(0, p.high, p.shape), dtype)
-        if p.init == "uniform":
-            return jnp.asarray(rng.uniform(-0.5, 0.5, p.shape), dtype)
-        std = min(0.02, p.shape[-1] ** -0.5) if len(p.shape) > 1 else 0.02
-        return jnp.asarray(std * rng.standard_normal(p.shape), dtype)
-
-    return jax.tree.map(one, declare(cfg), is_leaf=is_param)
 
 
 def _run(params, cfg, tokens, valid, kernels):
@@ -81,7 +63,7 @@ def test_decode_through_kernel_refs_equals_jnp_path(name, monkeypatch):
     entry at all (V4: ratio 4 until position 3, ratio 16 until 15; V4.1: ratio 2 at position 0), later
     ones more entries than the indexer keeps (V4.1: also past the candidate blocks)."""
     cfg = preset(name).replace(num_nextn_predict_layers=0, **CONFIGS[name])
-    params = _params(cfg)
+    params = init_params_host(cfg)
     n = AHEAD + STEPS
     tokens = jax.random.randint(jax.random.key(1), (2, n), 0, cfg.vocab_size)
     valid = jnp.ones((n, 2), jnp.int32).at[:AHEAD, 0].set(0)

@@ -73,7 +73,8 @@ def test_token_map_follows_the_normalisation_and_is_built_on_load_when_absent(tm
     from djax.checkpoint import CheckpointError
     from djax.params import flatten_names
     from djax.safetensors_io import SafetensorsFile, save_file
-    from tests.test_fp4 import SMALL, _random_params
+    from tests.test_checkpoint import random_params
+    from tests.test_fp4 import SMALL
 
     tok_file = Path(djax.__file__).parent / "assets" / "djax-tiny-v4" / "tokenizer.json"
     tok = Tokenizer.from_file(str(tok_file))
@@ -86,7 +87,7 @@ def test_token_map_follows_the_normalisation_and_is_built_on_load_when_absent(tm
 
     cfg = SMALL.replace(vocab_size=tok.get_vocab_size(), engram_layer_ids=(0,), engram_num_embeddings=(152,))
     cfg = cfg.replace(engram_compressed_vocab_size=count)
-    params = _random_params(cfg, 3)
+    params = random_params(cfg, 3)
     params["engram_token_map"] = jnp.asarray(tmap)
     djax.save_pretrained(params, cfg, tmp_path)
     f = tmp_path / "model.safetensors"
