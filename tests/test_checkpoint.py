@@ -4,10 +4,7 @@ sharded placement, HF transformers reading what djax writes, and Orbax round tri
 from __future__ import annotations
 
 import json
-import os
 import re
-import subprocess
-import sys
 import textwrap
 from pathlib import Path
 
@@ -26,8 +23,8 @@ from djax.params import flatten_names, is_param
 from djax.quant import QArray, quantize
 from djax.safetensors_io import SafetensorsFile, save_file
 from djax.step import forward
+from tests.cpu_devices import run_on_cpu_devices
 
-REPO = Path(__file__).resolve().parents[1]
 # Every V4 layer kind (SWA, CSA with an indexer keeping 4, HCA), a hash layer and mHC, in 3 layers.
 V4 = preset("tiny-v4", num_hidden_layers=3, compress_ratios=(0, 4, 16), num_hash_layers=1)
 V3 = preset("tiny-v3")
@@ -388,16 +385,8 @@ SHARDED = textwrap.dedent(
 
 def test_load_sharded_over_four_devices(v4):
     _, root = v4
-    env = {**os.environ, "XLA_FLAGS": "--xla_force_host_platform_device_count=4", "JAX_PLATFORMS": "cpu"}
-    run = subprocess.run(
-        [sys.executable, "-c", SHARDED, str(root / "plain"), str(root / "fp8")],
-        cwd=REPO,
-        env=env,
-        capture_output=True,
-        text=True,
-        timeout=300,
-    )
-    assert run.returncode == 0 and run.stdout.strip() == "ok", run.stderr[-4000:]
+    out = run_on_cpu_devices(SHARDED, 4, str(root / "plain"), str(root / "fp8"), timeout=300)
+    assert out.strip() == "ok", out
 
 
 # ---- HF transformers reads what djax writes -------------------------------------------------------------

@@ -2,11 +2,7 @@
 
 import json
 import math
-import os
-import subprocess
-import sys
 import textwrap
-from pathlib import Path
 
 import jax
 import numpy as np
@@ -14,8 +10,7 @@ import pytest
 
 import djax
 from djax.evaluate import chunk_tokens, evaluate
-
-ROOT = Path(__file__).resolve().parents[1]
+from tests.cpu_devices import run_on_cpu_devices
 
 
 def _small_config():
@@ -121,21 +116,8 @@ _CHILD = textwrap.dedent(
 
 def test_sharded_dp2_ep2_equals_unsharded_on_4_cpu_devices(model, unsharded):
     _, _, data = model
-    env = dict(os.environ)
-    env["XLA_FLAGS"] = (env.get("XLA_FLAGS", "") + " --xla_force_host_platform_device_count=4").strip()
-    env["JAX_PLATFORMS"] = "cpu"
     inp = json.dumps({"data": data, "loglik": unsharded["loglik"], "tokens": unsharded["tokens"]})
-    proc = subprocess.run(
-        [sys.executable, "-c", _CHILD],
-        input=inp,
-        cwd=ROOT,
-        env=env,
-        capture_output=True,
-        text=True,
-        timeout=300,
-    )
-    assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-6000:]
-    assert "OK" in proc.stdout
+    assert "OK" in run_on_cpu_devices(_CHILD, 4, stdin=inp, timeout=300)
 
 
 def test_cli_eval_default_checkpoint(tmp_path, capsys):

@@ -1,18 +1,11 @@
 """forward and generate with the experts expert-parallel on 8 fake CPU devices equal one device."""
 
-import os
-import subprocess
-import sys
 import textwrap
-from pathlib import Path
 
-import pytest
+from tests.cpu_devices import run_on_cpu_devices
 
 SCRIPT = textwrap.dedent(
     """
-    import os
-    # LLVM optimisation off halves the compile time of the 8 programs; every run has the same flags.
-    os.environ["XLA_FLAGS"] = "--xla_force_host_platform_device_count=8 --xla_backend_optimization_level=0"
     import jax, jax.numpy as jnp, numpy as np
     jax.config.update("jax_default_matmul_precision", "highest")
     from jax.sharding import NamedSharding, PartitionSpec as P
@@ -42,11 +35,5 @@ SCRIPT = textwrap.dedent(
 
 
 def test_forward_and_generate_expert_parallel_equal_one_device():
-    root = Path(__file__).resolve().parents[1]
-    env = {k: v for k, v in os.environ.items() if k != "XLA_FLAGS"}
-    r = subprocess.run(
-        [sys.executable, "-c", SCRIPT], cwd=root, env=env, capture_output=True, text=True, timeout=600
-    )
-    if r.returncode != 0:
-        pytest.fail(r.stdout[-3000:] + r.stderr[-3000:])
-    assert r.stdout.count("ok") == 3, r.stdout
+    out = run_on_cpu_devices(SCRIPT, 8)
+    assert out.count("ok") == 3, out

@@ -1,10 +1,6 @@
 """Sharding rules: logical -> mesh axes, collisions, divisibility, meshes, and a sharded forward on 4 fake devices."""
 
-import os
-import subprocess
-import sys
 import textwrap
-from pathlib import Path
 
 import jax
 import jax.numpy as jnp
@@ -23,8 +19,7 @@ from djax.sharding import (
     param_shardings,
     spec_for,
 )
-
-ROOT = Path(__file__).resolve().parents[1]
+from tests.cpu_devices import run_on_cpu_devices
 
 
 def test_default_rules():
@@ -167,18 +162,7 @@ _CHILD = textwrap.dedent(
 
 
 def test_sharded_forward_equals_unsharded_on_4_cpu_devices():
-    env = dict(os.environ)
-    # LLVM optimisation off: half the compile time, the same flags for both sides of the comparison.
-    env["XLA_FLAGS"] = (
-        env.get("XLA_FLAGS", "")
-        + " --xla_force_host_platform_device_count=4 --xla_backend_optimization_level=0"
-    ).strip()
-    env["JAX_PLATFORMS"] = "cpu"
-    proc = subprocess.run(
-        [sys.executable, "-c", _CHILD], cwd=ROOT, env=env, capture_output=True, text=True, timeout=600
-    )
-    assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-6000:]
-    assert "OK" in proc.stdout
+    assert "OK" in run_on_cpu_devices(_CHILD, 4)
 
 
 def test_param_shardings_usable_for_real_placement_on_one_device():

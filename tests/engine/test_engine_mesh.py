@@ -6,18 +6,12 @@ compiles are most of the time; both engines run under the same flags). The mesh 
 params, a superset of the plain expert-parallel path.
 """
 
-import os
-import subprocess
-import sys
 import textwrap
-from pathlib import Path
 
-import pytest
+from tests.cpu_devices import run_on_cpu_devices
 
 SCRIPT = textwrap.dedent(
     """
-    import os
-    os.environ["XLA_FLAGS"] = "--xla_force_host_platform_device_count=8 --xla_backend_optimization_level=0"
     import jax, numpy as np
     jax.config.update("jax_default_matmul_precision", "highest")
     import djax
@@ -75,11 +69,5 @@ SCRIPT = textwrap.dedent(
 
 
 def test_engine_on_mesh_equals_one_device():
-    root = Path(__file__).resolve().parents[2]
-    env = {k: v for k, v in os.environ.items() if k != "XLA_FLAGS"}
-    r = subprocess.run(
-        [sys.executable, "-c", SCRIPT], cwd=root, env=env, capture_output=True, text=True, timeout=600
-    )
-    if r.returncode != 0:
-        pytest.fail(r.stdout[-3000:] + r.stderr[-3000:])
-    assert "ok" in r.stdout, r.stdout
+    out = run_on_cpu_devices(SCRIPT, 8)
+    assert "ok" in out, out

@@ -1,10 +1,6 @@
 """Expert-parallel MoE (all_to_all dispatch / combine in shard_map) against the one-device slow twin, on 8 fake CPU devices."""
 
-import os
-import subprocess
-import sys
 import textwrap
-from pathlib import Path
 
 import jax
 import jax.numpy as jnp
@@ -14,8 +10,7 @@ import pytest
 from djax.models import moe
 from djax.models.moe_ep import capacity, dropped_copies, moe_ep
 from djax.sharding import make_mesh
-
-ROOT = Path(__file__).resolve().parents[2]
+from tests.cpu_devices import run_on_cpu_devices
 
 _CHILD = textwrap.dedent(
     """
@@ -102,18 +97,7 @@ _CHILD = textwrap.dedent(
 
 
 def test_moe_ep_equals_one_device_on_8_cpu_devices():
-    env = dict(os.environ)
-    # LLVM optimisation off: half the compile time, the same flags for both sides of the comparison.
-    env["XLA_FLAGS"] = (
-        env.get("XLA_FLAGS", "")
-        + " --xla_force_host_platform_device_count=8 --xla_backend_optimization_level=0"
-    ).strip()
-    env["JAX_PLATFORMS"] = "cpu"
-    proc = subprocess.run(
-        [sys.executable, "-c", _CHILD], cwd=ROOT, env=env, capture_output=True, text=True, timeout=600
-    )
-    assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-6000:]
-    assert "OK" in proc.stdout
+    assert "OK" in run_on_cpu_devices(_CHILD, 8)
 
 
 def test_moe_ep_on_one_device_mesh():
