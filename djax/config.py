@@ -42,6 +42,9 @@ class ModelConfig:
     index_topk: int = 512
     hc_mult: int = 4
     hc_sinkhorn_iters: int = 20
+    # How the Sinkhorn loop compiles, not part of the model (config.json leaves it out): None unrolls
+    # it on GPUs only, False keeps it rolled (training: see `mhc.sinkhorn`).
+    hc_sinkhorn_unroll: bool | None = None
     hc_eps: float = 1e-6
     n_routed_experts: int = 256
     n_shared_experts: int = 1
@@ -232,7 +235,9 @@ class ModelConfig:
 
     def to_hf(self) -> dict[str, Any]:
         """The config.json djax writes: DeepSeek's field names, readable by `from_hf` and HF transformers."""
-        d = {f.name: getattr(self, f.name) for f in dataclasses.fields(self)}
+        d = {
+            f.name: getattr(self, f.name) for f in dataclasses.fields(self) if f.name != "hc_sinkhorn_unroll"
+        }
         d["eos_token_id"] = list(self.eos_token_id)
         rope = {
             "type": "yarn",

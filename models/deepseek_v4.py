@@ -621,10 +621,13 @@ def _hc_args(lp: dict, prefix: str, cfg: ModelConfig):
         cfg.hc_sinkhorn_iters,
         cfg.hc_eps,
         cfg.rms_norm_eps,
+        cfg.hc_sinkhorn_unroll,
     )
 
 
-def hc_mix(h: jax.Array, fn, base, scale, iters: int, eps: float, norm_eps: float):
+def hc_mix(
+    h: jax.Array, fn, base, scale, iters: int, eps: float, norm_eps: float, unroll: bool | None = None
+):
     """mHC coefficients of streams h [..., n, d] without collapsing: (pre f32[..., n], post, comb f32[..., n, n])."""
     n = h.shape[-2]
     flat = h.reshape(*h.shape[:-2], -1).astype(F32)
@@ -632,7 +635,9 @@ def hc_mix(h: jax.Array, fn, base, scale, iters: int, eps: float, norm_eps: floa
     mix = flat @ fn.astype(F32).T
     pre = jax.nn.sigmoid(mix[..., :n] * scale[0] + base[:n]) + eps
     post = 2.0 * jax.nn.sigmoid(mix[..., n : 2 * n] * scale[1] + base[n : 2 * n])
-    comb = sinkhorn((mix[..., 2 * n :] * scale[2] + base[2 * n :]).reshape(*mix.shape[:-1], n, n), iters, eps)
+    comb = sinkhorn(
+        (mix[..., 2 * n :] * scale[2] + base[2 * n :]).reshape(*mix.shape[:-1], n, n), iters, eps, unroll
+    )
     return pre, post, comb
 
 

@@ -11,10 +11,16 @@ def _flat_norm(h: jax.Array, eps: float) -> jax.Array:
     return flat * jax.lax.rsqrt(jnp.mean(flat * flat, axis=-1, keepdims=True) + eps)
 
 
-def sinkhorn(logits: jax.Array, iters: int, eps: float) -> jax.Array:
-    """Row softmax, then alternate column / row normalisation: a (nearly) doubly-stochastic matrix."""
+def sinkhorn(logits: jax.Array, iters: int, eps: float, unroll: bool | None = None) -> jax.Array:
+    """Row softmax, then alternate column / row normalisation: a (nearly) doubly-stochastic matrix.
+
+    unroll: None unrolls the iterations on GPUs only (below); False keeps the loop rolled everywhere,
+    as training does: a training step holds the loop dozens of times, forward and backward, and
+    unrolled it has twice the kernels, which doubles the GPU compile time for a few ms per step.
+    """
     comb = jax.nn.softmax(logits, axis=-1) + eps
     comb = comb / (comb.sum(-2, keepdims=True) + eps)
+
     def step(_, c):
         c = c / (c.sum(-1, keepdims=True) + eps)
         return c / (c.sum(-2, keepdims=True) + eps)
@@ -23,12 +29,20 @@ def sinkhorn(logits: jax.Array, iters: int, eps: float) -> jax.Array:
     # the host every iteration (about 0.25 ms each, 150 per decode step on a 4-layer model); unrolled, XLA
     # fuses the iterations' tiny elementwise ops into a few kernels. Elsewhere the loop stays rolled: it is
     # cheap on the CPU and unrolling doubles compile times there.
-    unroll = jax.default_backend() == "gpu"
+    if unroll is None:
+        unroll = jax.default_backend() == "gpu"
     return jax.lax.fori_loop(0, iters - 1, step, comb, unroll=unroll)
 
 
 def hc_pre(
-    h: jax.Array, fn: jax.Array, base: jax.Array, scale: jax.Array, iters: int, eps: float, norm_eps: float
+    h: jax.Array,
+    fn: jax.Array,
+    base: jax.Array,
+    scale: jax.Array,
+    iters: int,
+    eps: float,
+    norm_eps: float,
+    unroll: bool | None = None,
 ):
     """Collapse n streams into one block input and compute the mixing for after the block.
 
@@ -40,7 +54,7 @@ def hc_pre(
     pre = jax.nn.sigmoid(mix[..., :n] * scale[0] + base[:n]) + eps
     post = 2.0 * jax.nn.sigmoid(mix[..., n : 2 * n] * scale[1] + base[n : 2 * n])
     comb_logits = (mix[..., 2 * n :] * scale[2] + base[2 * n :]).reshape(*mix.shape[:-1], n, n)
-    comb = sinkhorn(comb_logits, iters, eps)
+    comb = sinkhorn(comb_logits, iters, eps, unroll)
     x = jnp.sum(pre[..., None] * h, axis=-2).astype(h.dtype)
     return x, post, comb
 

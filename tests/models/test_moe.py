@@ -17,7 +17,9 @@ def _inputs(n, seed):
     w1 = jax.random.normal(ks[1], (E, F, D)) * D**-0.5
     w3 = jax.random.normal(ks[2], (E, F, D)) * D**-0.5
     w2 = jax.random.normal(ks[3], (E, D, F)) * F**-0.5
-    idx = jax.vmap(lambda k: jax.random.choice(k, E, (K,), replace=False))(jax.random.split(ks[4], n)).astype(jnp.int32)
+    idx = jax.vmap(lambda k: jax.random.choice(k, E, (K,), replace=False))(jax.random.split(ks[4], n)).astype(
+        jnp.int32
+    )
     weights = jax.random.uniform(ks[5], (n, K), minval=0.1, maxval=1.0)
     return x, weights, idx, w1, w2, w3
 
@@ -28,12 +30,18 @@ def test_impl_matches_dense(impl, n):
     x, weights, idx, w1, w2, w3 = _inputs(n, seed=n)
     want = moe.experts_dense(x, weights, idx, w1, w2, w3, limit=1.5)
     got = getattr(moe, f"experts_{impl}")(x, weights, idx, w1, w2, w3, limit=1.5)
-    np.testing.assert_allclose(np.asarray(got), np.asarray(want), rtol=1e-5, atol=1e-5 * float(jnp.abs(want).max()))
+    np.testing.assert_allclose(
+        np.asarray(got), np.asarray(want), rtol=1e-5, atol=1e-5 * float(jnp.abs(want).max())
+    )
 
 
 def test_gather_reads_quantized_experts():
     x, weights, idx, w1, w2, w3 = _inputs(3, seed=7)
     q1, q2, q3 = (quantize(w, (8, 8)) for w in (w1, w2, w3))
-    want = moe.experts_dense(x, weights, idx, q1.dense(jnp.float32), q2.dense(jnp.float32), q3.dense(jnp.float32), 0.0)
+    want = moe.experts_dense(
+        x, weights, idx, q1.dense(jnp.float32), q2.dense(jnp.float32), q3.dense(jnp.float32), 0.0
+    )
     got = moe.experts_gather(x, weights, idx, q1, q2, q3, 0.0)
-    np.testing.assert_allclose(np.asarray(got), np.asarray(want), rtol=1e-5, atol=1e-5 * float(jnp.abs(want).max()))
+    np.testing.assert_allclose(
+        np.asarray(got), np.asarray(want), rtol=1e-5, atol=1e-5 * float(jnp.abs(want).max())
+    )
