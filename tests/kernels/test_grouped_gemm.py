@@ -127,12 +127,12 @@ def _moe_inputs(rng, n, d, f, e, k, probs):
 
 
 @needs_triton_interp
-@pytest.mark.parametrize("limit", [1.5, 0.0])
-def test_moe_experts_interpreted_matches_model(limit):
+@pytest.mark.parametrize("limit,n", [(1.5, 37), (0.0, 37), (1.5, 1)])  # 1: a batch-1 decode step
+def test_moe_experts_interpreted_matches_model(limit, n):
     rng = np.random.default_rng(4)
     e = 8
     probs = np.array([0.4, 0.3, 0.1, 0, 0.1, 0.1, 0, 0])  # uneven loads, three experts empty
-    args = _moe_inputs(rng, 37, 64, 32, e, 3, probs)  # 37 tokens: not a multiple of BLOCK_M
+    args = _moe_inputs(rng, n, 64, 32, e, 3, probs)  # 37 tokens: not a multiple of BLOCK_M
     cfg = GemmConfig(block_m=16, block_n=32, block_k=32, num_warps=4, num_stages=1)
     out = jax.jit(lambda *a: moe_experts(*a, limit, impl="interpret", cfg=cfg))(*args)
     assert_close(out, jax.jit(lambda *a: experts_dense(*a, limit))(*args), 1e-5)

@@ -37,6 +37,7 @@ def _moe(seed, n, d, f, e, k):
         (1000, GemmConfig(128, 128, 64, 8, 3)),
         (1000, GemmConfig(64, 64, 64, 4, 4)),
         (37, DECODE_CFG),
+        (1, DECODE_CFG),  # batch-1 decode: the model takes this path at every size on CUDA
     ],
 )
 def test_moe_experts_triton_matches_dense(n, cfg):
@@ -69,8 +70,11 @@ def test_fp8_triton_matches_ref(cfg):
     f32 = jnp.float32
     a, a_s = quantize_act(jax.random.normal(jax.random.key(1), (300, 1000), f32))  # partial K block
     b, b_s = quantize_weight(jax.random.normal(jax.random.key(2), (384, 1000), f32))
+    # Hopper's FP8 MMA keeps about 14 mantissa bits in its accumulator (DeepSeek-V3 report, 3.3.2); the
+    # kernel promotes to f32 every 128 K as DeepGEMM does, so each 128-long partial sum carries a relative
+    # error near 2^-13 (1.26e-4 measured on the H200 at K = 1000) against the exact f32 reference.
     assert_close(
-        fp8_gemm(a, a_s, b, b_s, f32, impl="triton", cfg=cfg), fp8_gemm(a, a_s, b, b_s, f32, impl="ref"), 1e-4
+        fp8_gemm(a, a_s, b, b_s, f32, impl="triton", cfg=cfg), fp8_gemm(a, a_s, b, b_s, f32, impl="ref"), 4e-4
     )
     e, n, d = 8, 256, 512
     bg, bg_s = quantize_weight(jax.random.normal(jax.random.key(3), (e, n, d), f32))
@@ -81,10 +85,10 @@ def test_fp8_triton_matches_ref(cfg):
     live = np.asarray(lay.m_indices) >= 0
     out = grouped_contiguous(ac, ac_s, bg, bg_s, lay.m_indices, f32, impl="triton", cfg=cfg)
     ref = grouped_contiguous(ac, ac_s, bg, bg_s, lay.m_indices, f32, impl="ref")
-    assert_close(np.asarray(out)[live], np.asarray(ref)[live], 1e-4)
+    assert_close(np.asarray(out)[live], np.asarray(ref)[live], 4e-4)  # the FP8 accumulator, as above
     am, am_s = quantize_act(jax.random.normal(jax.random.key(6), (e, 128, d), f32))
     cnt = jnp.asarray([0, 128, 5, 64, 1, 0, 77, 3], jnp.int32)
     mlive = np.arange(128)[None] < np.asarray(cnt)[:, None]
     out = grouped_masked(am, am_s, bg, bg_s, cnt, f32, impl="triton", cfg=cfg)
     ref = grouped_masked(am, am_s, bg, bg_s, cnt, f32, impl="ref")
-    assert_close(np.asarray(out)[mlive], np.asarray(ref)[mlive], 1e-4)
+    assert_close(np.asarray(out)[mlive], np.asarray(ref)[mlive], 4e-4)
