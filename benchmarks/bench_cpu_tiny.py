@@ -100,7 +100,7 @@ def time_cli_loop(params, config, prompt: list[int], new: int, repeats: int) -> 
 
 def main(argv: list[str] | None = None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    ap.add_argument("--model", choices=MODELS, default="djax-tiny-v4", help="which shipped model")
+    ap.add_argument("--model", choices=MODELS, default="djax-tiny", help="which shipped model")
     ap.add_argument("--checkpoint", help="another HF-format directory instead of a shipped model")
     ap.add_argument("--new-tokens", type=int, default=128)
     ap.add_argument("--repeats", type=int, default=5)

@@ -18,7 +18,7 @@ from djax.sampling import sample
 
 
 def default_checkpoint() -> Path:
-    """The embedded default model, shipped inside the package (djax-tiny-v4, DeepSeek-V4-Flash at toy size)."""
+    """The embedded default model, shipped inside the package (djax-tiny, DeepSeek-V4.1-Flash at toy size)."""
     return DEFAULT_MODEL
 
 
@@ -152,7 +152,7 @@ def build_parser() -> argparse.ArgumentParser:
     g = sub.add_parser("generate", help="complete a prompt")
     g.add_argument(
         "--checkpoint",
-        help="HF-format directory (config.json, *.safetensors, tokenizer.json); default: the embedded djax-tiny-v4",
+        help="HF-format directory (config.json, *.safetensors, tokenizer.json); default: the embedded djax-tiny",
     )
     g.add_argument(
         "--preset",
@@ -175,7 +175,7 @@ def build_parser() -> argparse.ArgumentParser:
     e = sub.add_parser("eval", help="log-likelihood and perplexity of a text file")
     e.add_argument(
         "--checkpoint",
-        help="HF-format directory (config.json, *.safetensors, tokenizer.json); default: the embedded djax-tiny-v4",
+        help="HF-format directory (config.json, *.safetensors, tokenizer.json); default: the embedded djax-tiny",
     )
     e.add_argument(
         "--preset", default=None, choices=sorted(djax.PRESETS), help="a random-weight model instead"

@@ -41,7 +41,7 @@ from djax.scheduler import Sequence as Seq
 from djax.sharding import shard_params
 
 # The embedded default model (HF layout, shipped in the package).
-DEFAULT_MODEL = Path(__file__).parent / "assets" / "djax-tiny-v4"
+DEFAULT_MODEL = Path(__file__).parent / "assets" / "djax-tiny"
 
 NUM_BANNED = 16  # EOS + stop ids masked while min_tokens is not reached
 
@@ -454,7 +454,7 @@ class Engine:
 class LLM:
     """Offline batch generation: `LLM(path_or_(config, params)).generate(prompts, params)`.
 
-    With no model, the embedded default (djax-tiny-v4, DeepSeek-V4-Flash at toy size, shipped in the package)
+    With no model, the embedded default (djax-tiny, DeepSeek-V4.1-Flash at toy size, shipped in the package)
     is loaded. mesh: run the engine's steps sharded over it (`djax.make_mesh`; see the module docstring).
     """
 

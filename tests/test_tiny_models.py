@@ -1,4 +1,6 @@
-"""The shipped djax-tiny-v4: it loads, decodes greedily to a fixed text, and matches HF transformers on held-out code."""
+"""The shipped tiny models. djax-tiny-v4 (V4): it loads, decodes greedily to a fixed text, and matches HF
+transformers on held-out code. djax-tiny (V4.1, the default; HF has no V4.1 class): it loads, decodes
+greedily to a fixed text, and its decode path through the state reproduces the full forward on held-out code."""
 
 import sys
 from pathlib import Path
@@ -15,7 +17,7 @@ from djax.models import deepseek_v4
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT / "scripts"))
 from stdlib_corpus import corpus_files, is_heldout  # noqa: E402
-from train_tiny import heldout_windows, nll_sum  # noqa: E402
+from train_tiny import engram_token_map, heldout_windows, nll_sum  # noqa: E402
 
 ASSET = Path(djax.__file__).resolve().parent / "assets" / "djax-tiny-v4"
 PROMPT = "class Stack:\n    def __init__(self):\n"
@@ -88,3 +90,72 @@ def test_heldout_perplexity_matches_hf(heldout_logits):
     ppl = [np.exp(np.divide(*nll_sum(x, targets))) for x in (ours, ref)]
     assert abs(ppl[0] / ppl[1] - 1) <= 1e-3, ppl
     assert ppl[0] < 100, ppl  # trained: a uniform guess over 8192 tokens scores 8192
+
+
+# ---- djax-tiny: DeepSeek-V4.1, the default model -------------------------------------------------------
+ASSET_V41 = Path(djax.__file__).resolve().parent / "assets" / "djax-tiny"
+# Generated once from the shipped weights (float32, CPU); every step's top-1 logit leads the runner-up by > 0.17.
+EXPECTED_V41 = "# Internal -- make sure we don't want to make sure it works.\nclass StackSummary("
+
+
+@pytest.fixture(scope="module")
+def tiny41():
+    from tokenizers import Tokenizer
+
+    config, params = djax.load_checkpoint(ASSET_V41, progress=False)
+    return config, params, Tokenizer.from_file(str(ASSET_V41 / "tokenizer.json"))
+
+
+def test_djax_tiny_is_the_default_and_has_every_v41_feature(tiny41):
+    from djax.cli import default_checkpoint
+    from djax.engine import DEFAULT_MODEL
+
+    config, params, tokenizer = tiny41
+    assert DEFAULT_MODEL == default_checkpoint() == ASSET_V41
+    assert (ASSET_V41 / "model.safetensors").stat().st_size <= 25e6
+    assert config.is_v41 and config.num_hash_layers == 0
+    assert set(config.compress_ratios) == {0, 1, 2}
+    readers = [i for i in range(config.num_hidden_layers) if config.kv_source(i) not in (None, i)]
+    assert {config.compress_ratios[i] for i in readers} == {1, 2}  # both pools are shared
+    cs = config.candidate_source_layer_id
+    assert any(i > cs and config.kv_source(i) == config.kv_source(cs) for i in config.index_source_layer_ids)
+    assert config.engram_layer_ids and config.hc_mult > 1 and config.n_routed_experts > 1
+    # One tokenizer for both tiny models; Engram's compressed-id map is the one the training script builds.
+    assert (ASSET_V41 / "tokenizer.json").read_bytes() == (ASSET / "tokenizer.json").read_bytes()
+    token_map, n = engram_token_map(tokenizer)
+    assert n == config.engram_compressed_vocab_size
+    np.testing.assert_array_equal(np.asarray(params["engram_token_map"]), token_map)
+
+
+def test_djax_tiny_greedy_generation_is_deterministic(tiny41):
+    config, params, tokenizer = tiny41
+    prompt = tokenizer.encode(PROMPT).ids
+    runs = [
+        djax.generate(params, djax.Batch.from_lists([prompt]), config, max_new_tokens=24).to_lists()[0]
+        for _ in range(2)
+    ]
+    assert runs[0] == runs[1]
+    assert tokenizer.decode(runs[0]) == EXPECTED_V41
+    seq = prompt + runs[0]
+    logits = np.asarray(djax.forward(params, jnp.asarray([seq]), config))[0]
+    assert np.argmax(logits[len(prompt) - 1 : -1], -1).tolist() == runs[0]
+
+
+def test_djax_tiny_decode_reproduces_forward_on_heldout_code(tiny41):
+    """A 64-token prefill (below the bounded-replay threshold: exact), then 96 teacher-forced decode steps
+    across window wraps and both compression ratios: each step's logits equal the full forward's."""
+    config, params, tokenizer = tiny41
+    inputs, targets = heldout_windows(tokenizer, None, 160, max_files=1)
+    tokens, targets = inputs[:1], targets[:1]
+    full = np.asarray(djax.forward(params, jnp.asarray(tokens), config))[0]
+    nll, count = nll_sum(full[None], targets)
+    assert np.exp(nll / count) < 40  # trained: a uniform guess over 8192 tokens scores 8192
+    p = 64
+    logits, state = djax.prefill(params, jnp.asarray(tokens[:, :p]), jnp.asarray([p]), config, 256)
+    steps = [np.asarray(logits)[0]]
+    for t in range(p, tokens.shape[1] - 1):
+        logits, state = djax.decode(params, jnp.asarray(tokens[:, t]), state, config)
+        steps.append(np.asarray(logits)[0])
+    got, want = np.stack(steps), full[p - 1 : -1]
+    assert np.abs(got - want).max() <= 1e-4 * np.abs(want).max(), np.abs(got - want).max()
+    np.testing.assert_array_equal(got.argmax(-1), want.argmax(-1))
