@@ -5,6 +5,8 @@ Store layout, and the cost of paging:
   store["pages"][l]  [num_pages, block_size / m, k] pools of compressed entries (and indexer keys)
   store["snaps"][l]  [num_snapshots, ...] copies of slot state at block ends (prefix-cache hits)
   store["counts"], store["prompt_mask"]  [slots, vocab] for the penalties
+  store["history"], store["snap_history"]  (models with Engram) the tokens before each slot's next
+      position [slots, n - 1] (-1 = none), and their copies at block ends
 On a mesh (`store_shardings`) the per-slot leaves ("slots", "counts", "prompt_mask") are sharded on
 "dp" along the slot axis; "pages" and "snaps" are replicated, since any slot may own any page or
 snapshot (the gather and the write-back then exchange rows between dp groups).
@@ -40,16 +42,20 @@ def init_store(cfg: ModelConfig, ec) -> dict:
         n = max(1, ec.num_snapshots)  # kept with caching off too: the same compiled step serves both
         snaps.append({k: jnp.zeros((n, *v.shape[1:]), v.dtype) for k, v in slots[-1].items()})
     s, v = ec.max_num_seqs, cfg.vocab_size
-    return {
+    store = {
         "slots": slots,
         "pages": pages,
         "snaps": snaps,
         "counts": jnp.zeros((s, v), jnp.int32),
         "prompt_mask": jnp.zeros((s, v), bool),
     }
+    if "history" in tmpl:
+        store["history"] = tmpl["history"]
+        store["snap_history"] = jnp.full((max(1, ec.num_snapshots), tmpl["history"].shape[1]), -1, jnp.int32)
+    return store
 
 
-ROW_KEYS = ("slots", "counts", "prompt_mask")  # store entries with the slot axis first
+ROW_KEYS = ("slots", "counts", "prompt_mask", "history")  # store entries with the slot axis first
 
 
 def row_sharding(mesh: Mesh) -> NamedSharding:
@@ -89,6 +95,10 @@ def _step(
         return jnp.where(_rows(restore >= 0, cur), snap[jnp.maximum(restore, 0)], cur)
 
     slots = jax.tree.map(load, store["slots"], store["snaps"])
+    extra = {}
+    if "history" in store:  # a slot starting at position 0 has no tokens before it
+        hist = load(store["history"], store["snap_history"])
+        extra["history"] = jnp.where(_rows(lengths == 0, hist), -1, hist)
     layers = []
     for sl, pg in zip(slots, store["pages"]):
         st = dict(sl)
@@ -96,7 +106,9 @@ def _step(
             g = pool[page_table]  # [S, P, E, k]
             st[k] = g.reshape(S, P * g.shape[2], *g.shape[3:])
         layers.append(st)
-    h, new = model.extend(params, tokens, {"layers": layers, "lengths": lengths}, cfg, valid, moe_impl)
+    h, new = model.extend(
+        params, tokens, {"layers": layers, "lengths": lengths, **extra}, cfg, valid, moe_impl
+    )
 
     # write back the pages holding positions lengths .. lengths + valid - 1
     rel = lengths[:, None] // B + jnp.arange(c // B + 2)  # [S, w]
@@ -113,11 +125,11 @@ def _step(
             out[k] = pool.at[dest].set(vals, mode="drop")
         pages.append(out)
     slots = [{k: st[k] for k in sl} for st, sl in zip(new["layers"], store["slots"])]
-    snaps = jax.tree.map(
-        lambda sn, cur: sn.at[jnp.where(save >= 0, save, sn.shape[0])].set(cur, mode="drop"),
-        store["snaps"],
-        slots,
-    )
+
+    def keep(sn, cur):  # copy the rows asked for into their snapshot slots
+        return sn.at[jnp.where(save >= 0, save, sn.shape[0])].set(cur, mode="drop")
+
+    snaps = jax.tree.map(keep, store["snaps"], slots)
 
     # penalty bookkeeping from the fed tokens: prompt positions mark the mask, output positions count
     reset = arrays["reset"]
@@ -133,8 +145,11 @@ def _step(
     last = h[jnp.arange(S), jnp.maximum(valid - 1, 0)]  # [S, n, d]
     logits = model.logits_from_hidden(params, last, cfg)
     tok, lp, top_ids, top_lp = sample_rows(logits, counts, mask, sampling, num_logprobs)
-    store = {"slots": slots, "pages": pages, "snaps": snaps, "counts": counts, "prompt_mask": mask}
-    return tok, lp, top_ids, top_lp, store
+    out = {"slots": slots, "pages": pages, "snaps": snaps, "counts": counts, "prompt_mask": mask}
+    if "history" in new:
+        out["history"] = new["history"]
+        out["snap_history"] = keep(store["snap_history"], new["history"])
+    return tok, lp, top_ids, top_lp, out
 
 
 _STATIC = ("cfg", "block_size", "num_logprobs", "moe_impl")
