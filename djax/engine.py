@@ -63,6 +63,9 @@ class EngineConfig:
     max_logprobs: int = 20
     seed: int = 0
     moe_impl: str = "grouped"
+    # Count the router's choices per layer and logical expert on the device (V4 family), for EPLB:
+    # `Engine.expert_counts()` reads them. Every token fed counts, recomputed ones after preemption too.
+    count_experts: bool = False
 
     def resolve(self, cfg: ModelConfig) -> EngineConfig:
         ratios = [r for r in getattr(cfg, "compress_ratios", ()) if r] or [1]
@@ -186,6 +189,8 @@ class Engine:
             params = _on_mesh(params, config, mesh)
             if mesh.shape.get("ep", 1) > 1:
                 self.moe_impl = ExpertParallel(mesh, ec.moe_impl)
+        if ec.count_experts and not config.is_v4:
+            raise ValueError(f"count_experts is implemented for the V4 family, not {config.model_type!r}")
         self.cfg, self.params, self.tokenizer = config, params, tokenizer
         self.sched = Scheduler(
             ec.max_num_seqs,
@@ -208,6 +213,17 @@ class Engine:
         self.num_steps = 0
         self.step_widths: list[int] = []
         self.step_time = {"dispatch": 0.0, "readback": 0.0}
+
+    def expert_counts(self, reset: bool = False) -> np.ndarray:
+        """Router choices int64[layers, experts] per logical expert since the start or the last reset
+        (`EngineConfig(count_experts=True)`), ready for `djax.ExpertLoad.add_counts`. Reading waits for
+        the steps in flight; reset after reading (the device counter is int32) to start a new window."""
+        if "expert_counts" not in self.store:
+            raise ValueError("expert counts are off: EngineConfig(count_experts=True) turns them on")
+        counts = np.asarray(jax.device_get(self.store["expert_counts"]), np.int64)
+        if reset:
+            self.store["expert_counts"] = self.store["expert_counts"] * 0  # keeps its placement
+        return counts
 
     # ---- requests ----
     def _encode(self, prompt) -> list[int]:

@@ -5,6 +5,7 @@ Store layout, and the cost of paging:
   store["pages"][l]  [num_pages, block_size / m, k] pools of compressed entries (and indexer keys)
   store["snaps"][l]  [num_snapshots, ...] copies of slot state at block ends (prefix-cache hits)
   store["counts"], store["prompt_mask"]  [slots, vocab] for the penalties
+  store["expert_counts"]  (count_experts) int32[layers, experts] router choices so far, replicated
   store["history"], store["snap_history"]  (models with Engram) the tokens before each slot's next
       position [slots, n - 1] (-1 = none), and their copies at block ends
 On a mesh (`store_shardings`) the per-slot leaves ("slots", "counts", "prompt_mask") are sharded on
@@ -49,6 +50,8 @@ def init_store(cfg: ModelConfig, ec) -> dict:
         "counts": jnp.zeros((s, v), jnp.int32),
         "prompt_mask": jnp.zeros((s, v), bool),
     }
+    if ec.count_experts:
+        store["expert_counts"] = jnp.zeros((cfg.num_hidden_layers, cfg.n_routed_experts), jnp.int32)
     if "history" in tmpl:
         store["history"] = tmpl["history"]
         store["snap_history"] = jnp.full((max(1, ec.num_snapshots), tmpl["history"].shape[1]), -1, jnp.int32)
@@ -99,6 +102,8 @@ def _step(
     if "history" in store:  # a slot starting at position 0 has no tokens before it
         hist = load(store["history"], store["snap_history"])
         extra["history"] = jnp.where(_rows(lengths == 0, hist), -1, hist)
+    if "expert_counts" in store:  # the model adds the valid tokens' router choices
+        extra["expert_counts"] = store["expert_counts"]
     layers = []
     for sl, pg in zip(slots, store["pages"]):
         st = dict(sl)
@@ -146,6 +151,8 @@ def _step(
     logits = model.logits_from_hidden(params, last, cfg)
     tok, lp, top_ids, top_lp = sample_rows(logits, counts, mask, sampling, num_logprobs)
     out = {"slots": slots, "pages": pages, "snaps": snaps, "counts": counts, "prompt_mask": mask}
+    if "expert_counts" in new:
+        out["expert_counts"] = new["expert_counts"]
     if "history" in new:
         out["history"] = new["history"]
         out["snap_history"] = keep(store["snap_history"], new["history"])

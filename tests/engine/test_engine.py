@@ -194,3 +194,28 @@ def test_text_and_stop_strings(model, reference):
     assert o.outputs[0].finish_reason == "stop" and stop not in o.outputs[0].text
     streamed = list(llm.stream([prompt], GREEDY))
     assert streamed[-1][1].finished and streamed[-1][1].outputs[0].token_ids == ref
+
+
+def test_expert_counts_equal_generate(model):
+    """The engine's router counts for a batch of requests equal `generate`'s over the same prompts (every
+    row the same output length, so generate has no finished rows decoding on), then reset to zero."""
+    cfg, params = model
+    prompts = PROMPTS[4:10]
+    ref = djax.generate(
+        params,
+        djax.Batch.from_lists(prompts, pad_to=WIDTH),
+        cfg,
+        djax.SamplingParams(ignore_eos=True),
+        N,
+        max_len=128,
+        count_experts=True,
+    )
+    llm = _llm(model, count_experts=True)
+    llm.generate(prompts, GREEDY, use_tqdm=False)
+    got = llm.engine.expert_counts(reset=True)
+    np.testing.assert_array_equal(got, np.asarray(ref.expert_counts))
+    fed = sum(len(p) for p in prompts) + len(prompts) * (N - 1)  # the last token is never fed
+    assert (got.sum(1) == fed * cfg.num_experts_per_tok).all()
+    assert not llm.engine.expert_counts().any()
+    with pytest.raises(ValueError, match="count_experts"):
+        _llm(model).engine.expert_counts()
