@@ -11,7 +11,7 @@ import pytest
 import djax
 from djax.config import preset
 from djax.engine import LLM, EngineConfig, RequestParams
-from tests.engine.test_engine import EXTRA, N, PROMPTS, SHAPE, WIDTH
+from tests.engine.test_engine import EXTRA, PROMPTS, SHAPE, WIDTH, N
 
 
 @pytest.fixture(scope="module")

@@ -118,9 +118,10 @@ def test_bounded_replay_prefill(model):
     """Bounded replay keeps every KV-source pool exact, equals exact prefill when the prompt fits in
     `keep`, and otherwise changes the last logits only through the later layers' truncated windows."""
     cfg, params = model
-    b, t = 2, 30
+    b, t = 3, 30
     tokens = jax.random.randint(jax.random.key(8), (b, t), 0, cfg.vocab_size)
-    lengths = jnp.array([30, 17], jnp.int32)
+    assert cfg.replay_keep_tokens == 12
+    lengths = jnp.array([30, 17, 12], jnp.int32)  # rows are independent: the last one fits in `keep`
     run = jax.jit(functools.partial(v4.prefill, cfg=cfg, max_len=t), static_argnames="keep")
     exact, s_exact = run(params, tokens, lengths, keep=0)
     approx, s_approx = run(params, tokens, lengths, keep=cfg.replay_keep_tokens)
@@ -128,9 +129,10 @@ def test_bounded_replay_prefill(model):
         np.testing.assert_array_equal(
             np.asarray(s_exact["layers"][src]["pool"]), np.asarray(s_approx["layers"][src]["pool"])
         )
-    short = jnp.array([12, 7], jnp.int32)
-    a, _ = run(params, tokens[:, :12], short, keep=0)
-    c, _ = run(params, tokens[:, :12], short, keep=cfg.replay_keep_tokens)
-    np.testing.assert_array_equal(np.asarray(a), np.asarray(c))
-    assert np.isfinite(np.asarray(approx)).all()
-    assert not np.allclose(np.asarray(exact), np.asarray(approx))  # an approximation, not a no-op
+    exact, approx = np.asarray(exact), np.asarray(approx)
+    # The row that fits in `keep` replays nothing: the exact logits, up to float32 rounding (its batch
+    # mates' replay changes the shapes the row is computed in, so not bit for bit).
+    np.testing.assert_allclose(approx[2], exact[2], rtol=0, atol=1e-5 * np.abs(exact[2]).max())
+    assert np.isfinite(approx).all()
+    for row in (0, 1):  # an approximation, not a no-op
+        assert not np.allclose(exact[row], approx[row])
