@@ -28,6 +28,7 @@ from djax.models.layers import (
     rms_norm,
     rope_cos_sin,
     rope_inv_freq,
+    top_k,
     unit_rms_norm,
 )
 from djax.models.mhc import hc_head, hc_post, hc_pre, sinkhorn
@@ -251,10 +252,32 @@ def refill_ring(seq: jax.Array, first: jax.Array, size: int) -> jax.Array:
 
 
 def _place_ring(rows: jax.Array, first_pos: jax.Array) -> jax.Array:
-    """Put rows [b, R, c] holding positions first_pos .. first_pos + R - 1 into their slots (position % R)."""
+    """Put rows [b, R, c] holding positions first_pos .. first_pos + R - 1 into their slots (position % R).
+
+    A gather (slot s takes row (s - first_pos) % R), not a scatter at explicit [arange(b), slot] indices:
+    with the batch split over devices the partitioner keeps a batched gather split, but it would
+    all-gather a scatter's operands (the whole ring) on every device.
+    """
     r = rows.shape[1]
-    slots = jnp.mod(first_pos[:, None] + jnp.arange(r), r)
-    return jnp.zeros_like(rows).at[jnp.arange(rows.shape[0])[:, None], slots].set(rows)
+    src = jnp.mod(jnp.arange(r) - first_pos[:, None], r)  # [b, R]
+    return jnp.take_along_axis(rows, src.reshape(*src.shape, *([1] * (rows.ndim - 2))), axis=1)
+
+
+def _set_rows(a: jax.Array, idx: jax.Array, values: jax.Array) -> jax.Array:
+    """a[..., idx[..., j], :] = values[..., j, :] per leading index (idx's leading dims lead a); indices out
+    of range are dropped.
+
+    A scatter vmapped over the leading dims, which makes them batching dims of the scatter: the
+    partitioner keeps a split batch split. Indexed by an explicit jnp.arange(b) instead, the scatter
+    would all-gather its operand (a whole decoder-state pool) on every device.
+    """
+
+    def one(a, i, v):
+        return a.at[i].set(v, mode="drop")
+
+    for _ in range(idx.ndim - 1):
+        one = jax.vmap(one)
+    return one(a, idx, values.astype(a.dtype))
 
 
 # ---- compressor: softmax-gated pooling of windows ---------------------------------------------------------
@@ -314,17 +337,14 @@ def compressor_extend(
     latent = pool_windows(kv, gate, p["norm"]["weight"], cfg.rms_norm_eps)  # [b, nw, width]
     entries = _rotate(latent, w * m, _rope(cfg, CSA), heads=False)
     closes = (w + 1) * m <= (pos0 + valid)[:, None]
-    rows = jnp.arange(b)[:, None]
     pool = st[pool_k]
     target = jnp.where(closes, w, pool.shape[1])  # out of range: dropped
-    st[pool_k] = pool.at[rows, target].set(entries.astype(pool.dtype), mode="drop")
+    st[pool_k] = _set_rows(pool, target, entries)
     if index is not None:  # V4.1: the index key is a projection of the (un-rotated) latent
         wk, k_norm = index
         ikey = rms_norm(linear(latent, wk["weight"]), k_norm["weight"], cfg.rms_norm_eps)
         ikey = _rotate(ikey, w * m, _rope(cfg, CSA), heads=False)
-        st["index_pool"] = (
-            st["index_pool"].at[rows, target].set(ikey.astype(st["index_pool"].dtype), mode="drop")
-        )
+        st["index_pool"] = _set_rows(st["index_pool"], target, ikey)
     first = valid  # the new ring holds positions pos0 + valid - R .. pos0 + valid - 1
     st[kv_k] = _place_ring(refill_ring(comb_kv, first, ring), pos0 + valid - ring)
     st[gate_k] = _place_ring(refill_ring(comb_gate, first, ring), pos0 + valid - ring)
@@ -421,17 +441,14 @@ def _candidate_blocks(scores: jax.Array, cfg: ModelConfig) -> jax.Array:
     nb = -(-cap // bs)
     padded = jnp.pad(scores, ((0, 0), (0, 0), (0, nb * bs - cap)), constant_values=NEG_INF)
     block = padded.reshape(*scores.shape[:-1], nb, bs).max(-1)  # [b, t, nb]
-    best, top = jax.lax.top_k(block, min(cfg.candidate_topk_blocks, nb))
-    keep = jnp.zeros(block.shape, bool)
-    keep = keep.at[
-        jnp.arange(block.shape[0])[:, None, None], jnp.arange(block.shape[1])[None, :, None], top
-    ].set(jnp.isfinite(best))
+    best, top = top_k(block, min(cfg.candidate_topk_blocks, nb))
+    keep = _set_rows(jnp.zeros(block.shape, bool), top, jnp.isfinite(best))
     return jnp.repeat(keep, bs, axis=-1)[..., :cap]
 
 
 def select_entries(scores: jax.Array, k: int) -> tuple[jax.Array, jax.Array]:
     """Top-k of f32[b, t, C] scores (-inf = not eligible): (indices int32[b, t, k], eligible bool[b, t, k])."""
-    best, top = jax.lax.top_k(scores, min(k, scores.shape[-1]))
+    best, top = top_k(scores, min(k, scores.shape[-1]))
     return top, jnp.isfinite(best)
 
 
@@ -541,7 +558,7 @@ def attention_extend(
             impl = _index_impl(c, iq, kernels)
             scores = _visible_scores(iq, st["index_pool"], iw, pos, ratio, cfg, impl)
             if impl is None:
-                _, top = jax.lax.top_k(scores, min(cfg.index_topk, cap))  # [b, c, k]
+                _, top = top_k(scores, min(cfg.index_topk, cap))  # [b, c, k]
                 comp = (pool, top, jnp.take_along_axis(visible, top, axis=2))
             else:
                 comp = (pool, *_topk_picks(scores, cfg.index_topk, impl))

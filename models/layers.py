@@ -32,6 +32,25 @@ def linear(x: jax.Array, w: jax.Array) -> jax.Array:
     return jnp.einsum("...i,oi->...o", x, dense(w, x.dtype))
 
 
+def top_k(x: jax.Array, k: int) -> tuple[jax.Array, jax.Array]:
+    """`jax.lax.top_k` of x (float32 or 16-bit floats) along its last axis, computed by a stable sort.
+
+    Same results: the k largest in descending order, ties to the lower index, in IEEE total order
+    (-0.0 below 0.0). Why not lax.top_k itself: it lowers to a TopK op the sharding partitioner has no
+    rule for, so with the leading (batch) dims split over devices it all-gathers x and every device runs
+    the whole batch; a sort keeps them split. XLA on GPUs lowers top_k through a sort at these k anyway.
+    """
+    if not 0 <= k <= x.shape[-1]:
+        raise ValueError(f"top_k: k={k} outside [0, {x.shape[-1]}]")
+    ity = {2: jnp.int16, 4: jnp.int32}[x.dtype.itemsize]
+    bits = jax.lax.bitcast_convert_type(x, ity)
+    key = jnp.where(bits < 0, bits ^ jnp.iinfo(ity).max, bits)  # the floats' total order, as integers
+    iota = jax.lax.broadcasted_iota(jnp.int32, x.shape, x.ndim - 1)
+    # ~key sorts descending; the stable sort keeps equal keys in index order.
+    _, vals, idx = jax.lax.sort((~key, x, iota), dimension=x.ndim - 1, num_keys=1, is_stable=True)
+    return vals[..., :k], idx[..., :k]
+
+
 # ---- rotary embeddings ---------------------------------------------------------------------------
 def rope_inv_freq(dim: int, theta: float, cfg: ModelConfig | None = None, yarn: bool = False) -> np.ndarray:
     """Inverse frequencies [dim // 2] (float32). With `yarn`, YaRN's ramp between interpolation and extrapolation."""

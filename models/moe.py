@@ -10,7 +10,7 @@ import jax.numpy as jnp
 from jax.sharding import Mesh
 
 from djax.config import ModelConfig
-from djax.models.layers import linear, swiglu
+from djax.models.layers import linear, swiglu, top_k
 from djax.quant import dense
 
 
@@ -51,7 +51,7 @@ def route(
             _, keep = jax.lax.top_k(group_score, cfg.topk_group)
             group_mask = jnp.zeros((n, cfg.n_group), bool).at[jnp.arange(n)[:, None], keep].set(True)
             choice = jnp.where(jnp.repeat(group_mask, e // cfg.n_group, axis=1), choice, -jnp.inf)
-        _, idx = jax.lax.top_k(choice, k)
+        _, idx = top_k(choice, k)
     weights = jnp.take_along_axis(scores, idx, axis=-1)
     if cfg.is_v4 or cfg.norm_topk_prob:
         weights = weights / (weights.sum(-1, keepdims=True) + 1e-20)
