@@ -25,12 +25,33 @@ PROMPT = "class Stack:\n    def __init__(self):\n"
 EXPECTED = "\nclass Stack:\n    def __init__(self, *args, **kwargs):\n        self.args = args"
 
 
-@pytest.fixture(scope="module")
-def tiny():
+def load(asset: Path):
+    """(config, params, tokenizer) of a shipped model."""
     from tokenizers import Tokenizer
 
-    config, params = djax.load_checkpoint(ASSET, progress=False)
-    return config, params, Tokenizer.from_file(str(ASSET / "tokenizer.json"))
+    config, params = djax.load_checkpoint(asset, progress=False)
+    return config, params, Tokenizer.from_file(str(asset / "tokenizer.json"))
+
+
+def greedy_text(model) -> str:
+    """24 greedy tokens after PROMPT, decoded: twice the same, and each the argmax of a teacher-forced forward."""
+    config, params, tokenizer = model
+    prompt = tokenizer.encode(PROMPT).ids
+    runs = [
+        djax.generate(params, djax.Batch.from_lists([prompt]), config, max_new_tokens=24).to_lists()[0]
+        for _ in range(2)
+    ]
+    assert runs[0] == runs[1]
+    # Greedy decoding through the state is the argmax of a teacher-forced forward over the same text.
+    seq = prompt + runs[0]
+    logits = np.asarray(djax.forward(params, jnp.asarray([seq]), config))[0]
+    assert np.argmax(logits[len(prompt) - 1 : -1], -1).tolist() == runs[0]
+    return tokenizer.decode(runs[0])
+
+
+@pytest.fixture(scope="module")
+def tiny():
+    return load(ASSET)
 
 
 def test_shipped_files(tiny):
@@ -44,18 +65,7 @@ def test_shipped_files(tiny):
 
 
 def test_greedy_generation_is_deterministic(tiny):
-    config, params, tokenizer = tiny
-    prompt = tokenizer.encode(PROMPT).ids
-    runs = [
-        djax.generate(params, djax.Batch.from_lists([prompt]), config, max_new_tokens=24).to_lists()[0]
-        for _ in range(2)
-    ]
-    assert runs[0] == runs[1]
-    assert tokenizer.decode(runs[0]) == EXPECTED
-    # Greedy decoding through the state is the argmax of a teacher-forced forward over the same text.
-    seq = prompt + runs[0]
-    logits = np.asarray(djax.forward(params, jnp.asarray([seq]), config))[0]
-    assert np.argmax(logits[len(prompt) - 1 : -1], -1).tolist() == runs[0]
+    assert greedy_text(tiny) == EXPECTED
 
 
 @pytest.fixture(scope="module")
@@ -100,10 +110,7 @@ EXPECTED_V41 = "# Internal -- make sure we don't want to make sure it works.\ncl
 
 @pytest.fixture(scope="module")
 def tiny41():
-    from tokenizers import Tokenizer
-
-    config, params = djax.load_checkpoint(ASSET_V41, progress=False)
-    return config, params, Tokenizer.from_file(str(ASSET_V41 / "tokenizer.json"))
+    return load(ASSET_V41)
 
 
 def test_djax_tiny_is_the_default_and_has_every_v41_feature(tiny41):
@@ -128,17 +135,7 @@ def test_djax_tiny_is_the_default_and_has_every_v41_feature(tiny41):
 
 
 def test_djax_tiny_greedy_generation_is_deterministic(tiny41):
-    config, params, tokenizer = tiny41
-    prompt = tokenizer.encode(PROMPT).ids
-    runs = [
-        djax.generate(params, djax.Batch.from_lists([prompt]), config, max_new_tokens=24).to_lists()[0]
-        for _ in range(2)
-    ]
-    assert runs[0] == runs[1]
-    assert tokenizer.decode(runs[0]) == EXPECTED_V41
-    seq = prompt + runs[0]
-    logits = np.asarray(djax.forward(params, jnp.asarray([seq]), config))[0]
-    assert np.argmax(logits[len(prompt) - 1 : -1], -1).tolist() == runs[0]
+    assert greedy_text(tiny41) == EXPECTED_V41
 
 
 def test_djax_tiny_decode_reproduces_forward_on_heldout_code(tiny41):

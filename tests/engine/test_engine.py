@@ -41,20 +41,18 @@ def model():
     return cfg, djax.init_params(cfg, jax.random.key(0))
 
 
+def generate_alone(model, prompts, **kw) -> djax.Generated:
+    """N greedy tokens of each prompt by `djax.generate` (EOS ignored), every row on its own, in one call."""
+    cfg, params = model
+    batch = djax.Batch.from_lists(prompts, pad_to=WIDTH)
+    return djax.generate(params, batch, cfg, djax.SamplingParams(ignore_eos=True), N, max_len=128, **kw)
+
+
 @pytest.fixture(scope="module")
 def reference(model):
     """Greedy tokens of every prompt, each row on its own (one compile)."""
-    cfg, params = model
     allp = PROMPTS + EXTRA
-    out = djax.generate(
-        params,
-        djax.Batch.from_lists(allp, pad_to=WIDTH),
-        cfg,
-        djax.SamplingParams(ignore_eos=True),
-        N,
-        max_len=128,
-    )
-    return {tuple(p): t for p, t in zip(allp, out.to_lists())}
+    return {tuple(p): t for p, t in zip(allp, generate_alone(model, allp).to_lists())}
 
 
 def _llm(model, **kw):
@@ -199,17 +197,9 @@ def test_text_and_stop_strings(model, reference):
 def test_expert_counts_equal_generate(model):
     """The engine's router counts for a batch of requests equal `generate`'s over the same prompts (every
     row the same output length, so generate has no finished rows decoding on), then reset to zero."""
-    cfg, params = model
+    cfg, _ = model
     prompts = PROMPTS[4:10]
-    ref = djax.generate(
-        params,
-        djax.Batch.from_lists(prompts, pad_to=WIDTH),
-        cfg,
-        djax.SamplingParams(ignore_eos=True),
-        N,
-        max_len=128,
-        count_experts=True,
-    )
+    ref = generate_alone(model, prompts, count_experts=True)
     llm = _llm(model, count_experts=True)
     llm.generate(prompts, GREEDY, use_tqdm=False)
     got = llm.engine.expert_counts(reset=True)

@@ -11,7 +11,7 @@ import pytest
 import djax
 from djax.config import preset
 from djax.engine import LLM, EngineConfig, RequestParams
-from tests.engine.test_engine import EXTRA, PROMPTS, SHAPE, WIDTH, N
+from tests.engine.test_engine import EXTRA, PROMPTS, SHAPE, N, generate_alone
 
 
 @pytest.fixture(scope="module")
@@ -22,16 +22,8 @@ def model():
 
 
 def test_v41_requests_under_pressure_and_prefix_hits_equal_alone(model):
-    cfg, params = model
     prompts = PROMPTS[:24] + EXTRA
-    ref = djax.generate(
-        params,
-        djax.Batch.from_lists(prompts, pad_to=WIDTH),
-        cfg,
-        djax.SamplingParams(ignore_eos=True),
-        N,
-        max_len=128,
-    ).to_lists()
+    ref = generate_alone(model, prompts).to_lists()
     # 24 requests at once on 20 pages of 16 tokens: preemption and chunked prefill.
     llm = LLM(model, EngineConfig(**SHAPE))
     outs = llm.generate(prompts[:24], RequestParams(max_tokens=N, ignore_eos=True), use_tqdm=False)
