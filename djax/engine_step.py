@@ -1,13 +1,12 @@
 """The engine's device step: one jitted call per scheduler step over every slot, the store donated.
 
 Store layout, and the cost of paging:
-  store["slots"][l]  per running slot: the layer's sliding-window ring and pending compressor rings
+  store["slots"]["layers"][l]  per running slot: the layer's sliding-window ring and pending compressor
+      rings; beside "layers", the model's other per-row state (Engram's token history)
   store["pages"][l]  [num_pages, block_size / m, k] pools of compressed entries (and indexer keys)
-  store["snaps"][l]  [num_snapshots, ...] copies of slot state at block ends (prefix-cache hits)
+  store["snaps"]  store["slots"]'s tree, [num_snapshots, ...] copies of slot state at block ends (prefix hits)
   store["counts"], store["prompt_mask"]  [slots, vocab] for the penalties
   store["expert_counts"]  (count_experts) int32[layers, experts] router choices so far, replicated
-  store["history"], store["snap_history"]  (models with Engram) the tokens before each slot's next
-      position [slots, n - 1] (-1 = none), and their copies at block ends
 On a mesh (`store_shardings`) the per-slot leaves ("slots", "counts", "prompt_mask") are sharded on
 "dp" along the slot axis; "pages" and "snaps" are replicated, since any slot may own any page or
 snapshot (the gather and the write-back then exchange rows between dp groups).
@@ -34,31 +33,29 @@ from djax.models import model_module
 def init_store(cfg: ModelConfig, ec) -> dict:
     """The device store for resolved engine config ec (see the module docstring)."""
     tmpl = model_module(cfg).init_state(cfg, ec.max_num_seqs, ec.block_size)
-    slots, pages, snaps = [], [], []
+    layers, pages = [], []
     for st in tmpl["layers"]:
-        slots.append({k: v for k, v in st.items() if not k.endswith("pool")})
+        layers.append({k: v for k, v in st.items() if not k.endswith("pool")})
         pages.append(
             {k: jnp.zeros((ec.num_pages, *v.shape[1:]), v.dtype) for k, v in st.items() if k.endswith("pool")}
         )
-        n = max(1, ec.num_snapshots)  # kept with caching off too: the same compiled step serves both
-        snaps.append({k: jnp.zeros((n, *v.shape[1:]), v.dtype) for k, v in slots[-1].items()})
+    # The per-row state beside the layers' (Engram's token history) is slot state like theirs.
+    slots = {"layers": layers, **{k: v for k, v in tmpl.items() if k not in ("layers", "lengths")}}
+    n = max(1, ec.num_snapshots)  # kept with caching off too: the same compiled step serves both
     s, v = ec.max_num_seqs, cfg.vocab_size
     store = {
         "slots": slots,
         "pages": pages,
-        "snaps": snaps,
+        "snaps": jax.tree.map(lambda x: jnp.zeros((n, *x.shape[1:]), x.dtype), slots),
         "counts": jnp.zeros((s, v), jnp.int32),
         "prompt_mask": jnp.zeros((s, v), bool),
     }
     if ec.count_experts:
         store["expert_counts"] = jnp.zeros((cfg.num_hidden_layers, cfg.n_routed_experts), jnp.int32)
-    if "history" in tmpl:
-        store["history"] = tmpl["history"]
-        store["snap_history"] = jnp.full((max(1, ec.num_snapshots), tmpl["history"].shape[1]), -1, jnp.int32)
     return store
 
 
-ROW_KEYS = ("slots", "counts", "prompt_mask", "history")  # store entries with the slot axis first
+ROW_KEYS = ("slots", "counts", "prompt_mask")  # store entries with the slot axis first
 
 
 def row_sharding(mesh: Mesh) -> NamedSharding:
@@ -98,14 +95,11 @@ def _step(
         return jnp.where(_rows(restore >= 0, cur), snap[jnp.maximum(restore, 0)], cur)
 
     slots = jax.tree.map(load, store["slots"], store["snaps"])
-    extra = {}
-    if "history" in store:  # a slot starting at position 0 has no tokens before it
-        hist = load(store["history"], store["snap_history"])
-        extra["history"] = jnp.where(_rows(lengths == 0, hist), -1, hist)
+    extra = {k: v for k, v in slots.items() if k != "layers"}
     if "expert_counts" in store:  # the model adds the valid tokens' router choices
         extra["expert_counts"] = store["expert_counts"]
     layers = []
-    for sl, pg in zip(slots, store["pages"]):
+    for sl, pg in zip(slots["layers"], store["pages"]):
         st = dict(sl)
         for k, pool in pg.items():
             g = pool[page_table]  # [S, P, E, k]
@@ -129,7 +123,10 @@ def _step(
             vals = jnp.take_along_axis(g, rel.reshape(*rel.shape, *([1] * (g.ndim - 2))), axis=1)
             out[k] = pool.at[dest].set(vals, mode="drop")
         pages.append(out)
-    slots = [{k: st[k] for k in sl} for st, sl in zip(new["layers"], store["slots"])]
+    slots = {
+        "layers": [{k: st[k] for k in sl} for st, sl in zip(new["layers"], store["slots"]["layers"])],
+        **{k: new[k] for k in store["slots"] if k != "layers"},
+    }
 
     def keep(sn, cur):  # copy the rows asked for into their snapshot slots
         return sn.at[jnp.where(save >= 0, save, sn.shape[0])].set(cur, mode="drop")
@@ -153,9 +150,6 @@ def _step(
     out = {"slots": slots, "pages": pages, "snaps": snaps, "counts": counts, "prompt_mask": mask}
     if "expert_counts" in new:
         out["expert_counts"] = new["expert_counts"]
-    if "history" in new:
-        out["history"] = new["history"]
-        out["snap_history"] = keep(store["snap_history"], new["history"])
     return tok, lp, top_ids, top_lp, out
 
 

@@ -695,7 +695,10 @@ def logits_from_hidden(params: dict, h: jax.Array, cfg: ModelConfig) -> jax.Arra
 def _engram_ids(params: dict, tokens: jax.Array, state: dict, cfg: ModelConfig):
     """Row ids int32[engram layers, b, c, cols] of the chunk, from the token history in the state."""
     n = cfg.engram_max_ngram_size
-    win = jnp.concatenate([state["history"][:, state["history"].shape[1] - (n - 1) :], tokens], axis=1)
+    hist = state["history"][:, state["history"].shape[1] - (n - 1) :]
+    # Entries for positions before 0 are none, whatever a reused row holds there.
+    hist = jnp.where(state["lengths"][:, None] - (n - 1) + jnp.arange(n - 1) >= 0, hist, -1)
+    win = jnp.concatenate([hist, tokens], axis=1)
     tmap = params["engram_token_map"]
     comp = jnp.where(win >= 0, tmap[jnp.clip(win, 0, tmap.shape[0] - 1)], tmap[cfg.engram_pad_id])
     return engram.hash_ids(cfg, comp.astype(jnp.int32))

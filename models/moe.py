@@ -47,9 +47,9 @@ def route(
         if cfg.model_type == "deepseek_v3" and cfg.n_group > 1:
             n, e = choice.shape
             grouped = choice.reshape(n, cfg.n_group, e // cfg.n_group)
-            group_score = jax.lax.top_k(grouped, 2)[0].sum(-1)  # [n, groups]
-            _, keep = jax.lax.top_k(group_score, cfg.topk_group)
-            group_mask = jnp.zeros((n, cfg.n_group), bool).at[jnp.arange(n)[:, None], keep].set(True)
+            group_score = top_k(grouped, 2)[0].sum(-1)  # [n, groups]
+            _, keep = top_k(group_score, cfg.topk_group)
+            group_mask = jnp.any(keep[:, :, None] == jnp.arange(cfg.n_group), axis=1)  # [n, n_group]
             choice = jnp.where(jnp.repeat(group_mask, e // cfg.n_group, axis=1), choice, -jnp.inf)
         _, idx = top_k(choice, k)
     weights = jnp.take_along_axis(scores, idx, axis=-1)

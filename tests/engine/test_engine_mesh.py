@@ -48,7 +48,7 @@ SCRIPT = textwrap.dedent(
     assert got == want, (got, want)
     assert eng.params is placed and isinstance(eng.moe_impl, djax.ExpertParallel)  # on the mesh: used as given
     store = eng.store
-    assert store["counts"].sharding.spec[0] == "dp" and store["slots"][0]["window"].sharding.spec[0] == "dp"
+    assert store["counts"].sharding.spec[0] == "dp" and store["slots"]["layers"][0]["window"].sharding.spec[0] == "dp"
     assert store["pages"][0]["pool"].sharding.is_fully_replicated and eng.prev_tok.sharding.spec[0] == "dp"
 
     # Logical params are placed by shard_params (experts on "ep"); params relaid off the mesh are refused.
