@@ -19,7 +19,8 @@ One run, in this order (no compilation runs while anything is timed):
   5. djax: prefill tokens/s, decode steps (`djax.decode` in a loop, state donated, greedy feedback) at
      batch 1, 32, 128 from 1k-token contexts (synthetic states: random ring and pool entries; djax's step
      cost does not depend on their values), `djax.generate` end to end, and the decode roofline ratio:
-     (bytes a step must read / step time) / copy bandwidth. Programs whose XLA temp memory cannot fit are
+     (bytes a step must read / step time) / copy bandwidth. Part `decode_xla` times the same decode
+     steps without djax.kernels (jnp attention and indexer, XLA's MoE path): the kernels' speed-up. Programs whose XLA temp memory cannot fit are
      skipped and recorded (XLA may lower ragged_dot densely: every expert on every row).
 
 Run (GPU):   python benchmarks/bench_generate.py --out $OUT
@@ -116,6 +117,17 @@ def make_config(tiny: bool) -> djax.ModelConfig:
 
 def median(xs):
     return float(statistics.median(xs))
+
+
+def decode_without_kernels(cfg: djax.ModelConfig, b: int):
+    """djax's decode step as it runs without djax.kernels: attention and the indexer on the jnp path, the
+    routed experts on the XLA path a non-CUDA backend takes at this batch (gathered matrices for a few
+    tokens, every expert batched otherwise; see models.moe.experts_grouped)."""
+    from djax.models import deepseek_v4
+
+    moe_impl = "gather" if b * cfg.num_experts_per_tok <= cfg.n_routed_experts else "batched"
+    step = partial(deepseek_v4.decode_step, cfg=cfg, moe_impl=moe_impl, kernels="off")
+    return jax.jit(step, donate_argnums=(2,))
 
 
 # ---- ahead-of-time compilation of djax's programs ----------------------------------------------------------
@@ -579,9 +591,9 @@ def run_djax(res: dict, params, cfg, w: dict, comp: Compiler, rng, save, parts) 
         }
         log(f"djax prefill {b}x{t}: {b * t / median(ts):,.0f} tok/s")
 
-    def decode(b):
-        dec = comp.get(f"decode_{b}")
-        fits(comp, f"decode_{b}")
+    def decode(b, program="decode", key="decode"):
+        dec = comp.get(f"{program}_{b}")
+        fits(comp, f"{program}_{b}")
         ct = w["context"]
         state = synthetic_state(cfg, b, w["max_len"], ct, b)
         tok = jnp.asarray(rng.integers(2, v, (b,)), jnp.int32)
@@ -597,7 +609,7 @@ def run_djax(res: dict, params, cfg, w: dict, comp: Compiler, rng, save, parts) 
                 tok = argmax(logits)
             tok.block_until_ready()
             ts.append((time.perf_counter() - s) / w["decode_steps"])
-        res["decode"][str(b)] = {
+        res.setdefault(key, {})[str(b)] = {
             "context": ct,
             "context_at_end": int(np.asarray(state["lengths"])[0]),
             "max_len": w["max_len"],
@@ -607,7 +619,7 @@ def run_djax(res: dict, params, cfg, w: dict, comp: Compiler, rng, save, parts) 
             "median_step_s": median(ts),
             "tokens_per_s": b / median(ts),
         }
-        log(f"djax decode b={b}: {median(ts) * 1e3:.2f} ms/step, {b / median(ts):,.1f} tok/s")
+        log(f"djax {key} b={b}: {median(ts) * 1e3:.2f} ms/step, {b / median(ts):,.1f} tok/s")
 
     def generate():
         # End to end: prefill of the prompts, then max_new_tokens - 1 decode steps in a while_loop.
@@ -642,6 +654,9 @@ def run_djax(res: dict, params, cfg, w: dict, comp: Compiler, rng, save, parts) 
         save()
     for b in w["decode_batches"] if "decode" in parts else []:
         guarded(res, f"decode_{b}", decode, b)
+        save()
+    for b in w["decode_batches"] if "decode_xla" in parts else []:
+        guarded(res, f"decode_xla_{b}", decode, b, "decode_xla", "decode_xla")
         save()
     if "generate" in parts:
         guarded(res, "generate", generate)
@@ -732,6 +747,12 @@ def table(result: dict) -> str:
             f"{'decode b=' + b + ' ms/step':<24}{r['median_step_s'] * 1e3:>12.2f}"
             f"{fmt(h * 1e3 if h else None, '.2f'):>12}   floor {fmt(fl, '.2f')} ms at copy bw"
         )
+    for b, r in dj.get("decode_xla", {}).items():
+        k = dj.get("decode", {}).get(b)
+        lines.append(
+            f"{'no kernels b=' + b + ' ms':<24}{r['median_step_s'] * 1e3:>12.2f}   djax.kernels speed-up "
+            f"{fmt(r['median_step_s'] / k['median_step_s'] if k else None, '.2f')}x"
+        )
     g = dj.get("generate")
     if g:
         lines.append(
@@ -762,7 +783,8 @@ def main() -> int:
         "--parts",
         default="check,ceilings,hf,prefill,decode,generate",
         help="comma list of: check (logits vs HF), hfvariants (HF with eager experts too), ceilings, hf "
-        "(HF timings), prefill, decode, generate",
+        "(HF timings), prefill, decode, decode_xla (decode without djax.kernels: the speed-up they bring), "
+        "generate",
     )
     args = ap.parse_args()
     parts = set(args.parts.split(","))
@@ -785,6 +807,9 @@ def main() -> int:
     for b in w["decode_batches"] if "decode" in parts else []:
         st = jax.eval_shape(lambda b=b: djax.init_state(cfg, b, w["max_len"]))
         comp.submit(f"decode_{b}", djax.decode, aparams, sds((b,)), st, cfg)
+    for b in w["decode_batches"] if "decode_xla" in parts else []:
+        st = jax.eval_shape(lambda b=b: djax.init_state(cfg, b, w["max_len"]))
+        comp.submit(f"decode_xla_{b}", decode_without_kernels(cfg, b), aparams, sds((b,)), st)
 
     def submit_big():
         for b, t in w["prefill"] if "prefill" in parts else []:
@@ -999,6 +1024,11 @@ def derive(result: dict, cfg, params) -> None:
                 "floor_ms": need["total"] / bw * 1e3,
                 "experts_per_layer": r.get("experts_touched_per_layer") or expected_experts(cfg, int(b)),
             }
+    result["decode_kernel_speedup"] = {
+        b: r["median_step_s"] / dj["decode"][b]["median_step_s"]
+        for b, r in dj.get("decode_xla", {}).items()
+        if b in dj.get("decode", {})
+    }
     result["prefill_mfu"] = {
         s: prefill_flops(cfg, params, *map(int, s.split("x"))) / r["median_s"] / mm
         for s, r in dj.get("prefill", {}).items()

@@ -80,7 +80,9 @@ def run(out_dir: str, small: bool = False, only: tuple[str, ...] = ("attn", "moe
         except Exception as e:  # noqa: BLE001 - keep timing the other variants
             errors.append(dict(kernel=kernel, shape=shape, variant=variant, error=repr(e)[:2000]))
             traceback.print_exc()
+            print(f"{kernel} {shape} {variant}: FAILED {repr(e)[:200]}", flush=True)
             return None
+        print(f"{kernel} {shape} {variant}: {t * 1e6:.1f} us, err {err}", flush=True)
         row = dict(
             kernel=kernel,
             shape=shape,

@@ -18,9 +18,7 @@ import numpy as np
 
 from djax.config import CSA, SLIDING, ModelConfig
 from djax.kernels import dispatch as kdispatch
-from djax.kernels import indexer as kindexer
-from djax.kernels import sparse_attn
-from djax.kernels import topk as ktopk
+from djax.kernels import partition as kpartition
 from djax.models import engram
 from djax.models.layers import (
     apply_rope_interleaved,
@@ -387,13 +385,13 @@ def _visible_scores(iq, ipool, iw, pos, ratio: int, cfg: ModelConfig, impl: str 
         return jnp.where(visible, index_scores(iq, ipool, iw, cfg), NEG_INF)
     # Decode: the visible entries are a prefix of the pool; the kernel wants the scales inside the weights.
     w = iw[:, 0].astype(F32) * (cfg.index_n_heads**-0.5 * cfg.index_head_dim**-0.5)
-    return kindexer.index_scores(iq[:, 0], ipool, w, (pos[:, 0] + 1) // ratio, impl=impl)[:, None]
+    return kpartition.index_scores(impl)(iq[:, 0], ipool, w, (pos[:, 0] + 1) // ratio)[:, None]
 
 
 def _topk_picks(scores: jax.Array, k: int, impl: str) -> tuple[jax.Array, jax.Array]:
     """`select_entries` for one query (scores f32[b, 1, C]) through the top-k kernel: (top, eligible)."""
     impl = "auto" if impl == "triton" else impl  # the op picks lax.top_k for few rows itself
-    _, idx = ktopk.topk(scores[:, 0], min(k, scores.shape[-1]), impl=impl)
+    _, idx = kpartition.topk(impl)(scores[:, 0], min(k, scores.shape[-1]))
     return jnp.maximum(idx, 0)[:, None], (idx >= 0)[:, None]
 
 
@@ -598,8 +596,8 @@ def _sparse_decode(q, keys, win_mask, comp, sinks, scale: float, impl: str) -> j
     else:
         pool, top, ok = comp
         picks = jnp.where(ok[:, 0], top[:, 0], -1)
-    o = sparse_attn.sparse_decode(
-        q[:, 0], keys, win_mask[:, 0], pool, picks.astype(jnp.int32), sinks, scale, impl=impl
+    o = kpartition.sparse_decode(impl)(
+        q[:, 0], keys, win_mask[:, 0], pool, picks.astype(jnp.int32), sinks, scale
     )
     return o[:, None].astype(q.dtype)
 

@@ -14,6 +14,12 @@ SCRIPT = textwrap.dedent(
     import djax
     from djax.params import init_params_host
 
+    from functools import partial
+    from djax.models import deepseek_v4
+
+    def all_gathers(compiled):
+        return [ln for ln in compiled.as_text().splitlines() if re.search(r"\\ball-gather(-start)?\\(", ln)]
+
     # bench_ep's "ep2" layout: experts on "ep", decoder state and tokens split over ("dp", "ep")
     mesh = djax.make_mesh(dp=1, ep=2)
     row = NamedSharding(mesh, P(("dp", "ep")))
@@ -28,11 +34,21 @@ SCRIPT = textwrap.dedent(
         sharded = djax.shard_params(params, cfg, mesh)
 
         step_split = djax.decode.lower(sharded, tok_split, split, cfg, impl).compile()
-        hlo = step_split.as_text()
-        gathers = [ln for ln in hlo.splitlines() if re.search(r"\\ball-gather(-start)?\\(", ln)]
+        gathers = all_gathers(step_split)
         # V4.1's Engram hashes its token window on the host, once, by design (a pure_callback): the only one allowed
         others = [ln for ln in gathers if "pure_callback" not in ln]
         assert not others, (name, len(others), others[:3])
+
+        if name == "tiny-v4":
+            # The decode kernels (here at impl "ref", as the FFI kernels would be) run on each device's rows:
+            # djax.kernels.partition gives them a rule, so their operands are not gathered either.
+            kern = partial(deepseek_v4.decode_step, cfg=cfg, kernels="ref")
+            ref_logits, _ = jax.jit(kern)(params, tok, state)
+            kern_split = jax.jit(partial(kern, moe_impl=impl)).lower(sharded, tok_split, split).compile()
+            assert not all_gathers(kern_split), all_gathers(kern_split)[:3]
+            got, _ = kern_split(sharded, tok_split, jax.device_put(state, row))
+            err = float(np.abs(np.asarray(got) - np.asarray(ref_logits)).max() / np.abs(np.asarray(ref_logits)).max())
+            assert err <= 1e-5, ("kernels ref", err)
 
         for step in range(3):
             logits, state = djax.decode(params, tok, state, cfg)
