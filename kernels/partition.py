@@ -14,6 +14,10 @@ from jax.experimental.custom_partitioning import custom_partitioning
 from jax.sharding import NamedSharding
 from jax.sharding import PartitionSpec as P
 
+from djax.kernels import indexer as _indexer
+from djax.kernels import sparse_attn as _sparse_attn
+from djax.kernels import topk as _topk
+
 
 def batch_sharded(fn, rule: str, batched: tuple[bool, ...], static_argnums: tuple[int, ...] = ()):
     """`fn(*arrays, *statics)` partitioned over the leading (batch) dimension of its batched operands.
@@ -63,14 +67,14 @@ def _split(args, n_static):
     return statics, mesh, arg_shapes, result_shape
 
 
-# The decode kernels the model calls, each at one impl, partitioned over the batch.
+# The decode kernels the model calls, each at one impl, partitioned over the batch. The ops are looked up
+# when called (not when the cached wrapper is made), so a replaced op is the one that runs.
 @functools.cache
 def sparse_decode(impl: str):
     """djax.kernels.sparse_attn.sparse_decode(q, window, window_valid, pool, topk, sinks, scale)."""
-    from djax.kernels.sparse_attn import sparse_decode as op
 
     def fn(q, window, window_valid, pool, topk, sinks, scale):
-        return op(q, window, window_valid, pool, topk, sinks, scale, impl=impl)
+        return _sparse_attn.sparse_decode(q, window, window_valid, pool, topk, sinks, scale, impl=impl)
 
     rule = "b h k, b w k, b w, b c k, b t, h -> b h k"
     return batch_sharded(fn, rule, (True,) * 5 + (False,), static_argnums=(6,))
@@ -79,10 +83,9 @@ def sparse_decode(impl: str):
 @functools.cache
 def index_scores(impl: str):
     """djax.kernels.indexer.index_scores(q, keys, weights, lengths)."""
-    from djax.kernels.indexer import index_scores as op
 
     def fn(q, keys, weights, lengths):
-        return op(q, keys, weights, lengths, impl=impl)
+        return _indexer.index_scores(q, keys, weights, lengths, impl=impl)
 
     return batch_sharded(fn, "b h c, b s c, b h, b -> b s", (True,) * 4)
 
@@ -90,9 +93,8 @@ def index_scores(impl: str):
 @functools.cache
 def topk(impl: str):
     """djax.kernels.topk.topk(scores, k) -> (values, indices)."""
-    from djax.kernels.topk import topk as op
 
     def fn(scores, k):
-        return op(scores, k, impl=impl)
+        return _topk.topk(scores, k, impl=impl)
 
     return batch_sharded(fn, "b s -> b k, b k", (True,), static_argnums=(1,))
