@@ -20,18 +20,29 @@ GROUPED_IMPLS = ("ref", "triton", "interpret")
 
 
 def fp8_gemm(
-    a, a_scale, b, b_scale, out_dtype=jnp.bfloat16, impl: str = "auto", cfg: GemmConfig | None = None
+    a,
+    a_scale,
+    b,
+    b_scale,
+    out_dtype=jnp.bfloat16,
+    impl: str = "auto",
+    cfg: GemmConfig | None = None,
+    tiling=None,
+    variant: str | None = None,
 ):
     """out[m, n] = sum_k a[m, k] b[n, k] with 1x128 / 128x128 scales; see `fp8_gemm_ref.fp8_gemm_ref`.
 
-    impl "tilelang": the TileLang kernel (bf16 out, n and k multiples of 128; needs the `tilelang` extra)."""
+    impl "tilelang": the TileLang kernel (bf16 out, n and k multiples of 128; needs the `tilelang` extra);
+    `variant` "pointer" (default: cp.async, launched with raw pointers) or "ws" (TMA + warp specialisation,
+    launched with TMA descriptors by djax.ffi.tma), `tiling` a `fp8_gemm_tilelang.Tiling` / `WsTiling`
+    (None: the variant's default for the shape)."""
     impl = resolve(impl, IMPLS)
     if impl == "ref":
         return fp8_gemm_ref(a, a_scale, b, b_scale, out_dtype)
     if impl == "tilelang":
         from djax.kernels.fp8_gemm_tilelang import fp8_gemm_tilelang
 
-        return fp8_gemm_tilelang(a, a_scale, b, b_scale, out_dtype)
+        return fp8_gemm_tilelang(a, a_scale, b, b_scale, out_dtype, tiling=tiling, variant=variant)
     return _run(impl, "dense", a, a_scale, b[None], b_scale[None], None, out_dtype, cfg)
 
 

@@ -9,6 +9,14 @@ One TileLang program per backend, both specialised to static (m, n, k):
 - Ascend (AscendC source only; no Ascend hardware here): the Cube core does the block GEMM into L0C, the two
   Vector cores each take half the rows of the partial sum and apply the same promotion in their unified buffer.
 
+The "ws" CUDA variant (`ws_program`, `WsTiling`) is the same arithmetic with TileLang's Hopper lowering left on:
+TMA loads of the fp8 tiles into a `stages`-deep ring, a producer warpgroup and one consumer warpgroup per 64 rows
+(automatic warp specialisation, mbarrier handshakes), each consumer issuing m64nNk32 wgmmas over the full tile
+width, the scales for the k block loaded before its wgmmas (their latency hides under the MMA), a TMA store of
+the bf16 tile, an optional rasterised block order (L2 reuse at prefill) and an optional split of k (decode:
+f32 partials summed by XLA). Its kernel takes `CUtensorMap` descriptors, so it is launched by
+`ffi/csrc/tma_launch.cc` (`djax.ffi.tma`), which encodes them per call from XLA's buffer addresses.
+
 Compiling needs TileLang 0.1.15 and, for the cubin, nvcc (13.0 here and on the H200 image), not a GPU.
 """
 
@@ -28,6 +36,7 @@ BLOCK = 128  # scale granularity along k (and along n for the weights)
 H200_SMS = 132
 _PARAMS = ("A", "AS", "B", "BS", "C")  # kernel parameter order: operands in call order, then the result
 _PASS_CONFIG = {"tl.disable_tma_lower": True, "tl.disable_warp_specialized": True}
+_WS_PASS_CONFIG: dict = {}  # TileLang's defaults on Hopper: TMA lowering and warp specialisation on
 _ARCH = "sm_90a"  # wgmma needs the arch-specific target
 
 
@@ -53,6 +62,47 @@ class CudaKernel:
     grid: tuple[int, int, int]
     params: tuple[str, ...]
     source: str
+
+
+@dataclass(frozen=True)
+class WsTiling:
+    """Tiles of the TMA + warp-specialised variant: block_m rows (64 per consumer warpgroup) x block_n columns
+    (dividing 128, so one weight scale per tile), a `stages`-deep TMA ring, `panel` > 0 rasterises the block order
+    in panels of that many tiles (L2 reuse), `split_k` > 1 splits k over the grid's z (f32 partials)."""
+
+    block_m: int
+    block_n: int
+    stages: int
+    panel: int = 0
+    split_k: int = 1
+
+    @property
+    def consumer_threads(self) -> int:
+        return 128 * (self.block_m // 64)
+
+    @property
+    def name(self) -> str:
+        tail = (f"_p{self.panel}" if self.panel else "") + (f"_k{self.split_k}" if self.split_k > 1 else "")
+        return f"ws{self.block_m}x{self.block_n}s{self.stages}{tail}"
+
+
+def default_ws_tiling(m: int, n: int, k: int) -> WsTiling:
+    """Prefill: 128x128, two consumer warpgroups, 4 stages, panels of 8 for L2. Decode (m <= 64): one consumer
+    warpgroup and enough CTAs (via narrower n tiles, then split-k) to put one on about every SM, since every
+    weight byte must stream through some SM."""
+    kb = k // BLOCK
+    if m > 64:
+        return WsTiling(128, 128, max(1, min(4, kb)), panel=8)
+    for block_n, split in ((128, 1), (64, 1), (128, 2), (64, 2), (128, 4), (32, 1), (64, 4)):
+        if kb % split == 0 and (n // block_n) * split >= 0.9 * H200_SMS:
+            return WsTiling(64, block_n, max(1, min(6, kb // split)), split_k=split)
+    return WsTiling(64, 32, max(1, min(6, kb)))
+
+
+WS_VARIANTS = {  # tilings worth timing; the bench and tests iterate over these
+    "prefill": (WsTiling(128, 128, 4, 8), WsTiling(128, 128, 3, 8), WsTiling(128, 128, 4, 0)),
+    "decode": (WsTiling(64, 32, 8), WsTiling(64, 64, 6, split_k=2), WsTiling(64, 128, 6, split_k=4)),
+}
 
 
 def default_tiling(m: int, n: int, k: int) -> Tiling:
@@ -109,6 +159,60 @@ def cuda_program(m: int, n: int, k: int, tiling: Tiling):
     return fp8_gemm
 
 
+def ws_program(m: int, n: int, k: int, tiling: WsTiling):
+    """The CUDA program for TileLang's TMA + warp-specialised lowering (same operands as `cuda_program`). With
+    split_k > 1 the result is f32 partials P[split_k, m, n] (each split sums its share of the k blocks)."""
+    import tilelang.language as T
+
+    check_shapes(m, n, k)
+    bm, bn, split = tiling.block_m, tiling.block_n, tiling.split_k
+    kb = k // BLOCK
+    if bm not in (64, 128) or BLOCK % bn or bn % 16:
+        raise ValueError(f"WsTiling needs block_m 64 or 128 and block_n dividing {BLOCK}: {tiling}")
+    if kb % split:
+        raise ValueError(f"split_k={split} does not divide the {kb} k blocks")
+    kps = kb // split  # k blocks per split
+    stages = max(1, min(tiling.stages, kps))
+    fp8, f32 = "float8_e4m3fn", "float32"
+    out_shape, out_dtype = ((split, m, n), f32) if split > 1 else ((m, n), "bfloat16")
+
+    @T.prim_func
+    def fp8_gemm(
+        A: T.Tensor((m, k), fp8),
+        AS: T.Tensor((m, kb), f32),
+        B: T.Tensor((n, k), fp8),
+        BS: T.Tensor((n // BLOCK, kb), f32),
+        C: T.Tensor(out_shape, out_dtype),
+    ):
+        with T.Kernel(n // bn, T.ceildiv(m, bm), split, threads=tiling.consumer_threads) as (bx, by, bz):
+            a_s = T.alloc_shared((bm, BLOCK), fp8)
+            b_s = T.alloc_shared((bn, BLOCK), fp8)
+            part = T.alloc_fragment((bm, bn), f32)
+            acc = T.alloc_fragment((bm, bn), f32)
+            scale = T.alloc_fragment((bm,), f32)
+            c_s = T.alloc_shared((bm, bn), out_dtype)
+            if tiling.panel:
+                T.use_swizzle(tiling.panel)
+            T.clear(acc)
+            for j in T.Pipelined(kps, num_stages=stages):
+                i = bz * kps + j
+                T.copy(A[by * bm, i * BLOCK], a_s)
+                T.copy(B[bx * bn, i * BLOCK], b_s)
+                # before the wgmmas, so the loads' latency hides under them; rows past m read as 0
+                for r in T.Parallel(bm):
+                    scale[r] = AS[by * bm + r, i] * BS[bx * bn // BLOCK, i]
+                T.gemm(a_s, b_s, part, transpose_B=True, clear_accum=True, policy=T.GemmWarpPolicy.FullRow)
+                for r, c in T.Parallel(bm, bn):
+                    acc[r, c] += part[r, c] * scale[r]
+            T.copy(acc, c_s)
+            if split > 1:
+                T.copy(c_s, C[bz, by * bm, bx * bn])
+            else:
+                T.copy(c_s, C[by * bm, bx * bn])
+
+    return fp8_gemm
+
+
 def ascend_program(m: int, n: int, k: int, block_m: int = 128, block_n: int = 128, cores: int = 32):
     """The same GEMM in TileLang's Ascend dialect: a persistent 1-D grid of AI cores over output tiles.
     Needs m % block_m == 0 and block_n == 128."""
@@ -161,12 +265,13 @@ def ascend_program(m: int, n: int, k: int, block_m: int = 128, block_n: int = 12
     return fp8_gemm
 
 
-def _lower(program, target: dict):
+def _lower(program, target: dict, pass_config: dict | None = None):
     import tilelang
     from tilelang import tvm
 
     tgt = tvm.target.Target(target)
-    with tvm.transform.PassContext(config=_PASS_CONFIG), tgt:
+    config = _PASS_CONFIG if pass_config is None else pass_config
+    with tvm.transform.PassContext(config=config), tgt:
         return tilelang.lower(program, target=tgt)
 
 
@@ -194,6 +299,33 @@ def lower_cuda(m: int, n: int, k: int, tiling: Tiling | None = None) -> tuple[st
         threads=ext["threadIdx.x"],
         shared_bytes=int(fn.attrs.get("dyn_shared_memory_buf", 0)),
         params=params,
+    )
+    return art.kernel_source, launch
+
+
+def lower_ws(m: int, n: int, k: int, tiling: WsTiling | None = None) -> tuple[str, dict]:
+    """CUDA source and launch description of the TMA + warp-specialised variant: grid, threads (producer
+    warpgroup included), shared_bytes, name, and params (per kernel parameter: an FFI buffer index for a pointer,
+    or a `djax.ffi.tma.TensorMap`). No GPU needed."""
+    from djax.ffi.tma import params_from_tilelang
+
+    tiling = tiling or default_ws_tiling(m, n, k)
+    art = _lower(ws_program(m, n, k, tiling), {"kind": "cuda", "arch": _ARCH}, _WS_PASS_CONFIG)
+    (gvar, fn), *rest = art.device_mod.functions.items()
+    if rest:
+        raise NotImplementedError("TileLang split the program into several kernels")
+    (host_fn,) = art.host_mod.functions.values()
+    ext = {str(t): int(v) for t, v in fn.attrs["thread_extent"].items()}
+    if ext.get("threadIdx.y", 1) != 1 or ext.get("threadIdx.z", 1) != 1:
+        raise NotImplementedError(f"the FFI launcher takes 1-D blocks, got {ext}")
+    if "cluster_dims" in fn.attrs:
+        raise NotImplementedError("thread block clusters are not launched by the FFI handler")
+    launch = dict(
+        name=gvar.name_hint,
+        grid=(ext.get("blockIdx.x", 1), ext.get("blockIdx.y", 1), ext.get("blockIdx.z", 1)),
+        threads=ext["threadIdx.x"],
+        shared_bytes=int(fn.attrs.get("dyn_shared_memory_buf", 0)),
+        params=params_from_tilelang(fn, host_fn, _PARAMS),
     )
     return art.kernel_source, launch
 
@@ -245,11 +377,43 @@ def cuda_kernel(m: int, n: int, k: int, tiling: Tiling | None = None) -> CudaKer
     return CudaKernel(cub, launch["grid"], launch["params"], source)
 
 
-def fp8_gemm_tilelang(a, a_scale, b, b_scale, out_dtype=jnp.bfloat16, tiling: Tiling | None = None):
+@functools.cache
+def ws_kernel(m: int, n: int, k: int, tiling: WsTiling | None = None):
+    """Lowers and compiles (no GPU needed) the TMA + warp-specialised variant: a `djax.ffi.tma.TmaKernel`."""
+    from djax.ffi.tma import TmaKernel
+
+    source, launch = lower_ws(m, n, k, tiling)
+    binary = nvcc_cubin(source)
+    key = "tlws-" + hashlib.sha256(binary).hexdigest()[:24]
+    return TmaKernel(
+        key,
+        launch["name"],
+        binary,
+        launch["grid"],
+        launch["threads"],
+        launch["shared_bytes"],
+        launch["params"],
+    )
+
+
+VARIANTS = ("pointer", "ws")
+
+
+def fp8_gemm_tilelang(
+    a,
+    a_scale,
+    b,
+    b_scale,
+    out_dtype=jnp.bfloat16,
+    tiling: Tiling | WsTiling | None = None,
+    variant: str | None = None,
+):
     """out[m, n] = sum_k a[m, k] b[n, k] with DeepGEMM's scales, on a CUDA GPU (sm_90).
 
     a fp8_e4m3fn[m, k]; a_scale f32[m, k/128]; b fp8_e4m3fn[n, k]; b_scale f32[n/128, k/128]; returns
     bf16[m, n]. n and k must be multiples of 128 (see `fp8_gemm_ref.fp8_gemm_ref` for the general case).
+    variant "pointer" (default; cp.async, no TMA, `Tiling`) or "ws" (TMA + warp specialisation, `WsTiling`);
+    a WsTiling alone selects "ws".
     """
     from djax.ffi import cubin
 
@@ -262,6 +426,22 @@ def fp8_gemm_tilelang(a, a_scale, b, b_scale, out_dtype=jnp.bfloat16, tiling: Ti
         raise ValueError(f"need fp8_e4m3fn a[m, k], b[n, k]; got {a.dtype}{a.shape}, {b.dtype}{b.shape}")
     if a_scale.shape != (m, k // BLOCK) or b_scale.shape != (n // BLOCK, k // BLOCK):
         raise ValueError(f"scale shapes {a_scale.shape}, {b_scale.shape} do not match m={m} n={n} k={k}")
-    kern = cuda_kernel(m, n, k, tiling)
+    variant = variant or ("ws" if isinstance(tiling, WsTiling) else "pointer")
+    if variant not in VARIANTS:
+        raise ValueError(f"variant must be one of {VARIANTS}, got {variant!r}")
     args = [a, a_scale.astype(jnp.float32), b, b_scale.astype(jnp.float32)]
+    if variant == "ws":
+        from djax.ffi import tma
+
+        if tiling is not None and not isinstance(tiling, WsTiling):
+            raise TypeError(f"variant 'ws' takes a WsTiling, got {tiling!r}")
+        kern = ws_kernel(m, n, k, tiling)
+        split = (tiling or default_ws_tiling(m, n, k)).split_k
+        if split == 1:
+            return tma.launch(kern, args, jax.ShapeDtypeStruct((m, n), jnp.bfloat16))
+        part = tma.launch(kern, args, jax.ShapeDtypeStruct((split, m, n), jnp.float32))
+        return part.sum(0).astype(jnp.bfloat16)
+    if tiling is not None and not isinstance(tiling, Tiling):
+        raise TypeError(f"variant 'pointer' takes a Tiling, got {tiling!r}")
+    kern = cuda_kernel(m, n, k, tiling)
     return cubin.launch(kern.cubin, kern.grid, args, jax.ShapeDtypeStruct((m, n), jnp.bfloat16))

@@ -1,4 +1,4 @@
-"""Public sparse decode attention op for DeepSeek-V4: `sparse_decode(..., impl="auto"|"ref"|"triton")`."""
+"""Public sparse decode attention op for DeepSeek-V4: `sparse_decode(..., impl="auto"|"ref"|"triton"|"tilelang")`."""
 
 from __future__ import annotations
 
@@ -30,10 +30,19 @@ def sparse_decode(
     (-1 = invalid pick); sinks f32[h]. Returns [b, h, k] in q's dtype. The Triton kernel needs k a
     power of two and h a multiple of `block_h` (>= 16); a row with nothing valid returns zeros.
     `nsplit` > 1 splits the keys over that many programs per row (flash decoding) and merges them after.
+
+    impl="tilelang" (sm_90a; q bf16, h a multiple of 64): one CTA per (row, 64 heads, split) with
+    `num_warps` * 32 threads (8 or 16 warps), `block_s` keys per step (16/32/64/128) and `num_stages`
+    shared key buffers (below 2 is read as 2); `block_h` is ignored. Unsupported shapes raise ValueError.
     """
-    impl = resolve(impl, ("ref", "triton"))
+    impl = resolve(impl, ("ref", "triton", "tilelang"))
     if impl == "ref":
         return sparse_decode_ref(q, window, window_valid, pool, topk, sinks, scale)
+    if impl == "tilelang":
+        from djax.kernels.sparse_attn_tilelang import Tiling, sparse_decode_tilelang
+
+        tiling = Tiling(block_s, max(num_stages, 2), 32 * num_warps, nsplit)
+        return sparse_decode_tilelang(q, window, window_valid, pool, topk, sinks, scale, tiling)
     return _triton(
         q, window, window_valid, pool, topk, sinks, scale, block_h, block_s, num_warps, num_stages, nsplit
     )

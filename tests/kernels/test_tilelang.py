@@ -1,9 +1,14 @@
 """The TileLang FP8 block-scaled GEMM: CUDA lowering and sm_90a cubin, AscendC lowering, and (GPU) values vs the ref.
 
+Two CUDA variants: "pointer" (cp.async, raw pointers, ffi/csrc/cubin_launch.cc) and "ws" (TMA + warp
+specialisation; its CUtensorMap parameters are encoded per call by ffi/csrc/tma_launch.cc from a plan that
+djax.ffi.tma reads off TileLang's host module).
+
 TileLang is not in the `test` extra (a 50 MB wheel pulling torch, z3 and TVM's FFI): these tests skip where it
 is not installed. `pip install tilelang==0.1.15` (the version gpu-carry.sh packs) enables them.
 """
 
+import functools
 import importlib.util
 import shutil
 
@@ -15,7 +20,12 @@ from checks import assert_close
 
 from djax.ffi import build
 from djax.kernels.fp8_gemm_ref import fp8_gemm_ref, quantize_act, quantize_weight
+from djax.kernels.fp8_gemm_tilelang import WS_VARIANTS
 
+needs_nvcc = pytest.mark.skipif(
+    build.cuda_include() is None or shutil.which("nvcc") is None, reason="needs nvcc and cuda.h"
+)
+needs_cuda_h = pytest.mark.skipif(build.cuda_include() is None, reason="needs CUDA's cuda.h")
 needs_tilelang = pytest.mark.skipif(
     importlib.util.find_spec("tilelang") is None, reason="needs tilelang (pip install tilelang==0.1.15)"
 )
@@ -73,6 +83,78 @@ def test_cubin_for_sm90_without_a_gpu(tmp_path, monkeypatch):
     assert list((tmp_path / "tilelang").glob("fp8_gemm-*.cubin"))  # cached for the next process
 
 
+@needs_cuda_h
+def test_tma_launch_library_builds(tmp_path, monkeypatch):
+    """The TMA launcher builds from cuda.h alone (the driver is dlopened at run time) and exports the handler,
+    the loader and the host-side plan checker."""
+    monkeypatch.setenv("DJAX_FFI_CACHE", str(tmp_path))
+    lib = build.library.__wrapped__("tma_launch", cuda=True)
+    for sym in ("DjaxTmaLaunch", "djax_tma_load_cubin", "djax_tma_check_plan"):
+        assert hasattr(lib, sym)
+
+
+def _sizes(m, n, k, split=1):
+    """Bytes of the FFI buffers in order: A, AS, B, BS, then the result (bf16, or f32 partials when split)."""
+    out = split * m * n * 4 if split > 1 else m * n * 2
+    return [m * k, m * (k // 128) * 4, n * k, (n // 128) * (k // 128) * 4, out]
+
+
+@needs_tilelang
+@needs_cuda_h
+@pytest.mark.parametrize(
+    "m,n,k,tiling",
+    [(4096, 4096, 4096, None), (200, 512, 1024, None), (64, 4096, 4096, "split")],
+)
+def test_ws_descriptors_match_kernel(m, n, k, tiling):
+    """No GPU needed: the TMA + warp-specialised kernel's parameters, as the launcher will pass them, are the
+    two scale pointers and three tensor maps describing A, B and the result with their true (unpadded) extents,
+    boxes matching the tile sizes and 128-byte swizzle; the C++ plan checker accepts them over buffers of the
+    right sizes and rejects a result buffer one row short."""
+    from djax.ffi import tma
+    from djax.kernels.fp8_gemm_tilelang import WsTiling, default_ws_tiling, lower_ws
+
+    t = WsTiling(64, 128, 4, split_k=4) if tiling == "split" else default_ws_tiling(m, n, k)
+    src, launch = lower_ws(m, n, k, t)
+    assert launch["threads"] == t.consumer_threads + 128  # one producer warpgroup
+    assert launch["grid"] == (n // t.block_n, -(-m // t.block_m), t.split_k)
+    assert launch["shared_bytes"] >= t.stages * (t.block_m + t.block_n) * 128
+    maps = {p.buffer: p for p in launch["params"] if isinstance(p, tma.TensorMap)}
+    ptrs = [p for p in launch["params"] if not isinstance(p, tma.TensorMap)]
+    assert sorted(ptrs) == [1, 3] and sorted(maps) == [0, 2, 4]  # AS, BS pointers; A, B, C tensor maps
+    a, b, c = maps[0], maps[2], maps[4]
+    assert (a.dtype, a.dims, a.strides, a.box) == (0, (k, m), (1, k), (128, t.block_m))
+    assert (b.dtype, b.dims, b.strides, b.box) == (0, (k, n), (1, k), (128, t.block_n))
+    assert a.swizzle == b.swizzle == 3 and a.interleave == 0 and a.element_strides == (1, 1)
+    if t.split_k > 1:
+        assert (c.dtype, c.dims, c.strides[:2]) == (7, (n, m, t.split_k), (4, 4 * n))  # f32 partials
+    else:
+        assert (c.dtype, c.dims, c.strides) == (9, (n, m), (2, 2 * n))  # bf16
+    # the source takes exactly these parameters: descriptors by value, the scales by pointer
+    assert src.count("__grid_constant__ const CUtensorMap") == 2 * 3  # declaration and definition
+    assert "wgmma" in src and "tma_load" in src and "tma_store" in src
+    kern = tma.TmaKernel("x", launch["name"], b"", launch["grid"], launch["threads"], 0, launch["params"])
+    assert tma.check(kern, _sizes(m, n, k, t.split_k)) == 5
+    short = _sizes(m, n, k, t.split_k)
+    short[4] -= 64
+    with pytest.raises(ValueError, match="spans"):
+        tma.check(kern, short)
+
+
+@needs_tilelang
+@needs_nvcc
+@pytest.mark.slow
+@pytest.mark.parametrize("phase", ["prefill", "decode"])
+def test_ws_cubins_for_sm90_without_a_gpu(tmp_path, monkeypatch, phase):
+    """The first prefill and decode "ws" tilings compile to sm_90a cubins (about 7 s each)."""
+    monkeypatch.setenv("DJAX_FFI_CACHE", str(tmp_path / "ffi"))
+    from djax.kernels.fp8_gemm_tilelang import WS_VARIANTS, ws_kernel
+
+    m, n, k = (256, 512, 512) if phase == "prefill" else (64, 1024, 1024)
+    kern = ws_kernel.__wrapped__(m, n, k, WS_VARIANTS[phase][0])
+    assert kern.binary[:4] == b"\x7fELF" and kern.name.encode() in kern.binary
+    assert kern.threads in (256, 384) and kern.shared_bytes > 48 * 1024
+
+
 @needs_tilelang
 def test_ascend_lowering_emits_ascendc():
     """TileLang's "ascend" target lowers the program to AscendC source (bisheng, absent here, compiles it)."""
@@ -111,3 +193,64 @@ def test_tilelang_fp8_gemm_matches_ref_on_gpu(m, n, k):
     ref = jax.jit(fp8_gemm_ref)(a, sa, b, sb)
     assert out.dtype == jnp.bfloat16 and out.shape == (m, n)
     assert_close(np.asarray(out.astype(jnp.float32)), np.asarray(ref.astype(jnp.float32)), rtol=1e-2)
+
+
+# bf16 output: the kernel's f32 result (within 4e-4 of the f32 reference: Hopper's fp8 MMA accumulator keeps about
+# 14 mantissa bits and the kernel promotes every 128 k) is rounded to bf16, which adds at most half an ulp, 2^-9.
+BF16_OUT_RTOL = 4e-4 + 2.0**-9
+
+
+def _ws_cases():
+    shapes = {"prefill": [(200, 512, 1024), (512, 2048, 4096)], "decode": [(64, 4096, 7168), (5, 1024, 512)]}
+    return [
+        pytest.param(t, *s, id=f"{t.name}-{s[0]}x{s[1]}x{s[2]}")
+        for phase, ts in WS_VARIANTS.items()
+        for t in ts
+        for s in shapes[phase]
+    ]
+
+
+@needs_tilelang
+@pytest.mark.gpu
+@pytest.mark.parametrize("tiling,m,n,k", _ws_cases())
+def test_tilelang_ws_matches_ref_on_gpu(tiling, m, n, k):
+    """Every "ws" tiling on fresh random inputs, m not a multiple of the tile included (200, 5), against the f32
+    reference."""
+    if jax.default_backend() != "gpu":
+        pytest.skip("needs a CUDA GPU")
+    from djax.kernels.fp8_gemm_tilelang import fp8_gemm_tilelang
+
+    a, sa, b, sb = _inputs(hash(tiling) % 1000 + m + n + k, m, n, k)
+    out = jax.jit(functools.partial(fp8_gemm_tilelang, tiling=tiling))(a, sa, b, sb)
+    ref = jax.jit(functools.partial(fp8_gemm_ref, out_dtype=jnp.float32))(a, sa, b, sb)
+    assert out.dtype == jnp.bfloat16 and out.shape == (m, n)
+    assert_close(np.asarray(out.astype(jnp.float32)), np.asarray(ref), rtol=BF16_OUT_RTOL)
+
+
+@needs_tilelang
+@pytest.mark.gpu
+def test_tilelang_ws_default_through_public_op_in_a_loop():
+    """impl="tilelang", variant="ws" through the public op, called twice inside one jit over different
+    buffers (fresh descriptors per call), and inside a scan (XLA may run it from a command buffer)."""
+    if jax.default_backend() != "gpu":
+        pytest.skip("needs a CUDA GPU")
+    from djax.kernels.fp8_gemm import fp8_gemm
+
+    m, n, k = 200, 1024, 1024
+    x1, x2 = _inputs(7, m, n, k), _inputs(8, m, n, k)
+    f = functools.partial(fp8_gemm, impl="tilelang", variant="ws")
+    o1, o2 = jax.jit(lambda p, q: (f(*p), f(*q)))(x1, x2)
+    ref1 = np.asarray(fp8_gemm_ref(*x1, out_dtype=jnp.float32))
+    assert_close(np.asarray(o1.astype(jnp.float32)), ref1, BF16_OUT_RTOL)
+    assert_close(
+        np.asarray(o2.astype(jnp.float32)),
+        np.asarray(fp8_gemm_ref(*x2, out_dtype=jnp.float32)),
+        BF16_OUT_RTOL,
+    )
+
+    def body(c, _):
+        return c, f(*x1).astype(jnp.float32)
+
+    _, ys = jax.jit(lambda: jax.lax.scan(body, 0, None, length=3))()
+    for y in np.asarray(ys):
+        assert_close(y, ref1, BF16_OUT_RTOL)

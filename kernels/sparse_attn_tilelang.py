@@ -1,0 +1,322 @@
+"""DeepSeek-V4 sparse decode attention in TileLang: an sm_90a cubin launched by the FFI cubin launcher.
+
+Contract: `sparse_attn_ref.sparse_decode_ref`. Why this shape of kernel (see NOTES.md for the Triton numbers):
+- Per decode row the keys (ring + top-k picks, K = V) are 640 x 512 bf16 = 640 KB while q is 64 KB, so all
+  heads of a row share one CTA (wgmma M = 64 heads) and every gathered key tile is read from memory once.
+- Keys stream through a ring of `stages` shared buffers filled by predicated cp.async (zero-fill for masked
+  slots, so no stale or NaN bytes ever reach the P @ V product). The pipeline is written by hand (explicit
+  commit / wait groups) because a block comes from either the ring or the pool: TileLang's automatic
+  `T.Pipelined` only makes unconditional pure copies asynchronous.
+- S = Q K^T and acc += P K are wgmma (Q and K in shared, P through a 64 x BLOCK_S bf16 shared tile); the
+  warpgroups split the key columns of S and the value columns of acc (64 x 512 f32 in registers: 128 per
+  thread with 2 warpgroups). Online softmax in base 2 with the sink seeding the running max and denominator.
+- Batch 64 is only 64 CTAs on 132 SMs and small batches far fewer, so `nsplit` > 1 gives each row `nsplit`
+  CTAs over balanced ranges of key blocks (flash decoding); they write f32 partial outputs and base-2
+  log-sum-exps that `combine_splits` merges in jnp.
+TMA and warp specialisation are off so that the kernel's parameters stay the plain device pointers that
+`ffi/csrc/cubin_launch.cc` passes (operands in call order, then results). Compiling needs TileLang 0.1.15 and
+nvcc, not a GPU.
+"""
+
+import functools
+import hashlib
+import math
+from dataclasses import dataclass
+
+import jax
+import jax.numpy as jnp
+
+from djax.kernels.fp8_gemm_tilelang import _lower, nvcc_cubin
+
+HEADS = 64  # wgmma M: one CTA takes 64 heads of one row
+_ARCH = "sm_90a"
+_LOG2E = math.log2(math.e)
+_ASYNC = {"parallel_async_without_async_commit_wait": True}  # cp.async without an implied commit + wait
+_SMEM_LIMIT = 227 * 1024
+# The device function's parameters come out sorted by name, so these names spell the launcher's order.
+_OPERANDS = ("p0_q", "p1_window", "p2_valid", "p3_pool", "p4_topk", "p5_sinks")
+_RESULTS = {1: ("p6_out",), 2: ("p6_part", "p7_lse")}
+
+
+@dataclass(frozen=True)
+class Tiling:
+    """block_s keys per pipeline step, `stages` shared key buffers, threads per CTA (128 per warpgroup),
+    nsplit CTAs per (row, 64-head group)."""
+
+    block_s: int = 64
+    stages: int = 2
+    threads: int = 256
+    nsplit: int = 1
+
+    @property
+    def warpgroups(self) -> int:
+        return self.threads // 128
+
+
+@dataclass(frozen=True)
+class CudaKernel:
+    """A compiled kernel and what launching it takes: grid (x, y, z), parameter names, CUDA source."""
+
+    cubin: object  # djax.ffi.cubin.Cubin
+    grid: tuple[int, int, int]
+    params: tuple[str, ...]
+    source: str
+
+
+def _blocks(w: int, t: int, block_s: int) -> tuple[int, int]:
+    return -(-w // block_s), -(-t // block_s)
+
+
+def shared_bytes(k: int, w: int, t: int, tiling: Tiling) -> int:
+    """Shared memory the program asks for: q, the key ring, P, the per-slot row table (static shared)."""
+    nbw, nbt = _blocks(w, t, tiling.block_s)
+    return 2 * (HEADS * k + tiling.stages * tiling.block_s * k + HEADS * tiling.block_s) + 4 * (
+        (nbw + nbt) * tiling.block_s
+    )
+
+
+def check_shapes(h: int, k: int, w: int, c: int, t: int, tiling: Tiling) -> None:
+    """Raises ValueError for shapes or tilings the kernel does not handle."""
+    bs, nwg = tiling.block_s, tiling.warpgroups
+    if h % HEADS:
+        raise ValueError(f"the TileLang sparse decode needs heads a multiple of {HEADS}, got {h}")
+    if tiling.threads not in (256, 512):
+        raise ValueError(f"threads must be 256 or 512 (2 or 4 warpgroups), got {tiling.threads}")
+    if k % (8 * nwg) or k // nwg > 256:
+        raise ValueError(f"head dim {k} must split into {nwg} warpgroup slices of <= 256, multiples of 8")
+    if HEADS * k // tiling.threads > 128:
+        raise ValueError(f"head dim {k} needs more than 128 f32 accumulators per thread at {tiling.threads}")
+    if bs not in (16, 32, 64, 128) or bs % (8 * nwg):
+        raise ValueError(f"block_s must be 16, 32, 64 or 128 and split into {nwg} x 8 columns, got {bs}")
+    if tiling.stages < 2:
+        raise ValueError(f"stages must be >= 2, got {tiling.stages}")
+    if min(w, c, t) < 1:
+        raise ValueError(f"need W, C, T >= 1, got W={w} C={c} T={t}")
+    nb = sum(_blocks(w, t, bs))
+    if not 1 <= tiling.nsplit <= nb:
+        raise ValueError(f"nsplit must be in [1, {nb}] (key blocks of {bs}), got {tiling.nsplit}")
+    if (smem := shared_bytes(k, w, t, tiling)) > _SMEM_LIMIT - 4096:  # room for the reduction workspace
+        raise ValueError(f"block_s {bs} x {tiling.stages} stages needs {smem} B of shared memory (> 223 KB)")
+
+
+def cuda_program(b: int, h: int, k: int, w: int, c: int, t: int, scale: float, tiling: Tiling):
+    """The TileLang program for one static shape. Grid (b, h / 64, nsplit); parameters as in `_OPERANDS`.
+
+    Key slots are numbered in block space: the ring takes slots [0, NBW * BS) (slot j is window row j,
+    live when j < W and window_valid), the picks take [NBW * BS, NB * BS) (slot NBW * BS + i is pool row
+    topk[i], live when i < T and 0 <= topk[i] < C). A block never mixes the two sources.
+    """
+    check_shapes(h, k, w, c, t, tiling)
+    import tilelang.language as T
+
+    bs, ns, nsplit = tiling.block_s, tiling.stages, tiling.nsplit
+    nbw, nbt = _blocks(w, t, bs)
+    nb = nbw + nbt
+    hg = h // HEADS
+    qk = float(scale) * _LOG2E  # softmax in base 2
+    bf16, f32, i32 = "bfloat16", "float32", "int32"
+    policy = T.GemmWarpPolicy.FullCol  # warpgroups split the columns: M is one wgmma tile of 64 heads
+
+    @T.macro
+    def issue(bx, rows, k_s, blk, st, win, pool):
+        """cp.async of key block `blk` into ring stage `st`; masked slots are zero-filled, not read."""
+        if blk < nbw:
+            for r, d in T.Parallel(bs, k, annotations=_ASYNC):
+                k_s[st, r, d] = T.if_then_else(
+                    rows[blk * bs + r] >= 0, win[bx, T.max(rows[blk * bs + r], 0), d], T.cast(0, bf16)
+                )
+        else:
+            for r, d in T.Parallel(bs, k, annotations=_ASYNC):
+                k_s[st, r, d] = T.if_then_else(
+                    rows[blk * bs + r] >= 0, pool[bx, T.max(rows[blk * bs + r], 0), d], T.cast(0, bf16)
+                )
+
+    @T.macro
+    def attend(bx, by, lo, n, first, q, win, valid, pool, topk, sinks):
+        """Online softmax over key blocks [lo, lo + n); `first` carries the sink's mass (l starts at 1)."""
+        q_s = T.alloc_shared((HEADS, k), bf16)
+        k_s = T.alloc_shared((ns, bs, k), bf16)
+        p_s = T.alloc_shared((HEADS, bs), bf16)
+        # static (not dynamic) shared: TileLang's sync planner then sees it cannot alias the cp.async targets
+        rows = T.alloc_shared((nb * bs,), i32, scope="shared")
+        s = T.alloc_fragment((HEADS, bs), f32)
+        acc = T.alloc_fragment((HEADS, k), f32)
+        m = T.alloc_fragment((HEADS,), f32)
+        m_prev = T.alloc_fragment((HEADS,), f32)
+        l = T.alloc_fragment((HEADS,), f32)
+        rsum = T.alloc_fragment((HEADS,), f32)
+        alpha = T.alloc_fragment((HEADS,), f32)
+
+        for j in T.Parallel(nb * bs):
+            i = T.min(T.max(j - nbw * bs, 0), t - 1)
+            rows[j] = T.if_then_else(
+                j < nbw * bs,
+                T.if_then_else((j < w) & (valid[bx, T.min(j, w - 1)] != 0), j, -1),
+                T.if_then_else((j - nbw * bs < t) & (topk[bx, i] >= 0) & (topk[bx, i] < c), topk[bx, i], -1),
+            )
+        T.sync_threads()
+        for st in T.serial(ns - 1):
+            if st < n:
+                issue(bx, rows, k_s, lo + st, st, win, pool)
+            T.ptx_commit_group()
+        T.copy(q[bx, by * HEADS, 0], q_s)
+        for hh in T.Parallel(HEADS):
+            m[hh] = sinks[by * HEADS + hh] * _LOG2E  # the sink seeds the max in every split: m stays finite
+            l[hh] = T.if_then_else(first, 1.0, 0.0)
+        T.clear(acc)
+        for g in T.serial(n):
+            if g + ns - 1 < n:
+                issue(bx, rows, k_s, lo + g + ns - 1, (g + ns - 1) % ns, win, pool)
+            T.ptx_commit_group()  # possibly empty: keeps one group per step so the wait count is fixed
+            T.ptx_wait_group(ns - 1)  # block g has landed
+            T.sync_threads()
+            T.gemm(q_s, k_s[g % ns, :, :], s, transpose_B=True, clear_accum=True, policy=policy)
+            for hh, r in T.Parallel(HEADS, bs):
+                s[hh, r] = T.if_then_else(rows[(lo + g) * bs + r] >= 0, s[hh, r] * qk, -T.infinity(f32))
+            T.copy(m, m_prev)
+            T.reduce_max(s, m, dim=1, clear=False)
+            for hh in T.Parallel(HEADS):
+                alpha[hh] = T.exp2(m_prev[hh] - m[hh])
+            for hh, r in T.Parallel(HEADS, bs):
+                s[hh, r] = T.exp2(s[hh, r] - m[hh])
+            T.reduce_sum(s, rsum, dim=1)
+            for hh in T.Parallel(HEADS):
+                l[hh] = l[hh] * alpha[hh] + rsum[hh]
+            for hh, d in T.Parallel(HEADS, k):
+                acc[hh, d] *= alpha[hh]
+            T.copy(s, p_s)
+            T.gemm(p_s, k_s[g % ns, :, :], acc, policy=policy)
+            T.sync_threads()  # stage g % ns and p_s are overwritten next step
+        return acc, m, l
+
+    @T.macro
+    def finish_out(out, bx, by, acc, m, l):
+        for hh, d in T.Parallel(HEADS, k):
+            acc[hh, d] /= l[hh]  # l >= 1: the sink's own term
+        T.copy(acc, out[bx, by * HEADS, 0])
+
+    @T.macro
+    def finish_split(part, lse, bx, by, bz, acc, m, l):
+        for hh, d in T.Parallel(HEADS, k):
+            acc[hh, d] = T.if_then_else(l[hh] > 0, acc[hh, d] / l[hh], 0.0)
+        for hh in T.Parallel(HEADS):
+            lse[bx, bz, by * HEADS + hh] = T.if_then_else(l[hh] > 0, m[hh] + T.log2(l[hh]), -T.infinity(f32))
+        T.copy(acc, part[bx, bz, by * HEADS, 0])
+
+    if nsplit == 1:
+
+        @T.prim_func
+        def sparse_decode(
+            p0_q: T.Tensor((b, h, k), bf16),
+            p1_window: T.Tensor((b, w, k), bf16),
+            p2_valid: T.Tensor((b, w), i32),
+            p3_pool: T.Tensor((b, c, k), bf16),
+            p4_topk: T.Tensor((b, t), i32),
+            p5_sinks: T.Tensor((h,), f32),
+            p6_out: T.Tensor((b, h, k), bf16),
+        ):
+            with T.Kernel(b, hg, threads=tiling.threads) as (bx, by):
+                acc, m, l = attend(bx, by, 0, nb, True, p0_q, p1_window, p2_valid, p3_pool, p4_topk, p5_sinks)
+                finish_out(p6_out, bx, by, acc, m, l)
+
+        return sparse_decode
+
+    @T.prim_func
+    def sparse_decode_split(
+        p0_q: T.Tensor((b, h, k), bf16),
+        p1_window: T.Tensor((b, w, k), bf16),
+        p2_valid: T.Tensor((b, w), i32),
+        p3_pool: T.Tensor((b, c, k), bf16),
+        p4_topk: T.Tensor((b, t), i32),
+        p5_sinks: T.Tensor((h,), f32),
+        p6_part: T.Tensor((b, nsplit, h, k), f32),
+        p7_lse: T.Tensor((b, nsplit, h), f32),
+    ):
+        with T.Kernel(b, hg, nsplit, threads=tiling.threads) as (bx, by, bz):
+            # balanced ranges: every split gets floor or ceil of nb / nsplit >= 1 blocks
+            lo = bz * nb // nsplit
+            n = (bz + 1) * nb // nsplit - lo
+            acc, m, l = attend(bx, by, lo, n, bz == 0, p0_q, p1_window, p2_valid, p3_pool, p4_topk, p5_sinks)
+            finish_split(p6_part, p7_lse, bx, by, bz, acc, m, l)
+
+    return sparse_decode_split
+
+
+def lower_cuda(
+    b: int, h: int, k: int, w: int, c: int, t: int, scale: float, tiling: Tiling
+) -> tuple[str, dict]:
+    """CUDA source and launch parameters (name, grid, threads, shared_bytes, params). No GPU needed."""
+    art = _lower(cuda_program(b, h, k, w, c, t, scale, tiling), {"kind": "cuda", "arch": _ARCH})
+    (gvar, fn), *rest = art.device_mod.functions.items()
+    if rest:
+        raise NotImplementedError("TileLang split the program into several kernels")
+    ext = {str(a): int(v) for a, v in fn.attrs["thread_extent"].items()}
+    if ext.get("threadIdx.y", 1) != 1 or ext.get("threadIdx.z", 1) != 1:
+        raise NotImplementedError(f"the FFI launcher takes 1-D blocks, got {ext}")
+    params = tuple(p.name for p in fn.params)
+    want = _OPERANDS + _RESULTS[1 if tiling.nsplit == 1 else 2]
+    if params != want:  # a scalar, descriptor or reordered parameter would break the pointer-only launch ABI
+        raise NotImplementedError(f"unexpected kernel parameters {params}, want {want}")
+    launch = dict(
+        name=gvar.name_hint,
+        grid=(ext.get("blockIdx.x", 1), ext.get("blockIdx.y", 1), ext.get("blockIdx.z", 1)),
+        threads=ext["threadIdx.x"],
+        shared_bytes=int(fn.attrs.get("dyn_shared_memory_buf", 0)),
+        params=params,
+    )
+    return art.kernel_source, launch
+
+
+@functools.cache
+def cuda_kernel(b: int, h: int, k: int, w: int, c: int, t: int, scale: float, tiling: Tiling) -> CudaKernel:
+    """Lowers, compiles (no GPU needed, cubin cached on disk by source) and describes one static shape."""
+    from djax.ffi.cubin import Cubin
+
+    source, launch = lower_cuda(b, h, k, w, c, t, scale, tiling)
+    binary = nvcc_cubin(source)
+    key = "tl-" + hashlib.sha256(binary).hexdigest()[:24]
+    cub = Cubin(key, launch["name"], binary, launch["threads"], launch["shared_bytes"], extra_null=0)
+    return CudaKernel(cub, launch["grid"], launch["params"], source)
+
+
+def combine_splits(part, lse):
+    """part f32[b, n, h, k] (each split normalised), lse f32[b, n, h] (base 2, -inf for an empty split;
+    split 0 holds the sink so the max is finite) -> f32[b, h, k]."""
+    wgt = jnp.exp2(lse - jnp.max(lse, axis=1, keepdims=True))
+    return jnp.einsum("bnh,bnhk->bhk", wgt, part) / wgt.sum(axis=1)[..., None]
+
+
+def sparse_decode_tilelang(
+    q, window, window_valid, pool, topk, sinks, scale: float, tiling: Tiling = Tiling()
+):
+    """`sparse_decode_ref`'s contract on a CUDA GPU (sm_90a): returns [b, h, k] bf16.
+
+    q [b, h, k] bf16 with h a multiple of 64; window [b, W, k]; window_valid bool[b, W]; pool [b, C, k];
+    topk int32[b, T] (negative or >= C: invalid); sinks f32[h]. Window and pool are cast to bf16.
+    """
+    from djax.ffi import cubin
+
+    b, h, k = q.shape
+    w, c, t = window.shape[1], pool.shape[1], topk.shape[1]
+    if q.dtype != jnp.bfloat16:
+        raise ValueError(f"the TileLang sparse decode takes bf16 q, got {q.dtype}")
+    if window.shape != (b, w, k) or pool.shape[::2] != (b, k) or window_valid.shape != (b, w):
+        raise ValueError(f"inconsistent shapes q{q.shape} window{window.shape} pool{pool.shape}")
+    if topk.shape != (b, t) or sinks.shape != (h,):
+        raise ValueError(f"inconsistent shapes topk{topk.shape} sinks{sinks.shape} for q{q.shape}")
+    check_shapes(h, k, w, c, t, tiling)
+    kern = cuda_kernel(b, h, k, w, c, t, float(scale), tiling)
+    args = [
+        q,
+        window.astype(jnp.bfloat16),
+        window_valid.astype(jnp.int32),
+        pool.astype(jnp.bfloat16),
+        topk.astype(jnp.int32),
+        sinks.astype(jnp.float32),
+    ]
+    if tiling.nsplit == 1:
+        return cubin.launch(kern.cubin, kern.grid, args, jax.ShapeDtypeStruct(q.shape, q.dtype))
+    n = tiling.nsplit
+    outs = [jax.ShapeDtypeStruct((b, n, h, k), jnp.float32), jax.ShapeDtypeStruct((b, n, h), jnp.float32)]
+    part, lse = cubin.launch(kern.cubin, kern.grid, args, outs)
+    return combine_splits(part, lse).astype(q.dtype)

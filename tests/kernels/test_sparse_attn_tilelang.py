@@ -1,0 +1,157 @@
+"""The TileLang sparse decode kernel: CUDA lowering (pointer-only parameters, launch shape, cp.async + wgmma),
+the sm_90a cubin, clear errors for unsupported shapes, and (GPU) values against sparse_decode_ref.
+
+Skips where tilelang (not in the `test` extra's minimal install) or nvcc is missing. Lowering takes a few
+seconds per program, so the CPU tests lower few programs and share them through `lower_cuda`'s cache here.
+"""
+
+import functools
+import importlib.util
+import shutil
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+from checks import assert_close
+
+from djax.ffi import build
+from djax.kernels.sparse_attn import sparse_decode
+from djax.kernels.sparse_attn_ref import sparse_decode_ref
+
+needs_tilelang = pytest.mark.skipif(
+    importlib.util.find_spec("tilelang") is None, reason="needs tilelang (pip install tilelang==0.1.15)"
+)
+needs_nvcc = pytest.mark.skipif(
+    build.cuda_include() is None or shutil.which("nvcc") is None, reason="needs nvcc"
+)
+OPERANDS = ("p0_q", "p1_window", "p2_valid", "p3_pool", "p4_topk", "p5_sinks")
+BF16 = jnp.bfloat16
+
+
+@functools.cache
+def _lowered(shape, block_s, stages, threads, nsplit):
+    from djax.kernels.sparse_attn_tilelang import Tiling, lower_cuda
+
+    return lower_cuda(*shape, 0.0625, Tiling(block_s, stages, threads, nsplit))
+
+
+@needs_tilelang
+def test_lowering_plain_kernel():
+    """b 3, W 100 and T 77 (not multiples of 32): 1-D blocks, one CTA per (row, 64 heads), only pointers."""
+    src, launch = _lowered((3, 64, 128, 100, 300, 77), 32, 2, 256, 1)
+    assert launch["name"] == "sparse_decode_kernel"
+    assert launch["params"] == (*OPERANDS, "p6_out")
+    assert launch["grid"] == (3, 1, 1) and launch["threads"] == 256
+    assert launch["shared_bytes"] >= 2 * (64 * 128 + 2 * 32 * 128)  # q and two key stages, bf16
+    assert 'extern "C" __global__' in src and "CUtensorMap" not in src
+    assert "wgmma" in src and "cp_async_gs_conditional" in src  # predicated (zero-fill) gather
+    assert "cp_async_wait<1>" in src  # two stages: one block in flight while the other is used
+
+
+@needs_tilelang
+def test_lowering_split_kernel_with_head_groups():
+    """128 heads = 2 head groups, 3 uneven splits of 7 key blocks: partials and log-sum-exps as results."""
+    src, launch = _lowered((3, 128, 128, 100, 300, 77), 32, 3, 256, 3)
+    assert launch["name"] == "sparse_decode_split_kernel"
+    assert launch["params"] == (*OPERANDS, "p6_part", "p7_lse")
+    assert launch["grid"] == (3, 2, 3) and launch["threads"] == 256
+    assert launch["shared_bytes"] <= 227 * 1024
+    assert "cp_async_wait<2>" in src and "wgmma" in src and "CUtensorMap" not in src
+
+
+@needs_tilelang
+@pytest.mark.parametrize(
+    "shape,tiling,match",
+    [
+        ((2, 48, 512, 128, 64, 64), (64, 2, 256, 1), "multiple of 64"),
+        ((2, 64, 512, 128, 64, 64), (64, 3, 256, 1), "shared memory"),
+        ((2, 64, 1024, 128, 64, 64), (64, 2, 256, 1), "head dim"),
+        ((2, 64, 512, 128, 64, 64), (48, 2, 256, 1), "block_s"),
+        ((2, 64, 512, 128, 64, 64), (64, 2, 384, 1), "threads"),
+        ((2, 64, 512, 128, 64, 64), (64, 2, 256, 4), "nsplit"),  # only 3 key blocks
+        ((2, 64, 512, 128, 64, 64), (64, 1, 256, 1), "stages"),
+    ],
+)
+def test_unsupported_shapes_raise_value_error(shape, tiling, match):
+    from djax.kernels.sparse_attn_tilelang import Tiling, cuda_program
+
+    with pytest.raises(ValueError, match=match):
+        cuda_program(*shape, 0.1, Tiling(*tiling))
+
+
+@needs_tilelang
+@needs_nvcc
+@pytest.mark.slow
+def test_cubin_for_sm90_at_benchmark_shape(tmp_path, monkeypatch):
+    """The benchmark's shape (b 64, h 64, k 512, W 128, C 2048, T 512) compiles to an sm_90a cubin."""
+    monkeypatch.setenv("DJAX_FFI_CACHE", str(tmp_path / "ffi"))
+    from djax.kernels.sparse_attn_tilelang import Tiling, cuda_kernel
+
+    k = cuda_kernel.__wrapped__(64, 64, 512, 128, 2048, 512, 512**-0.5, Tiling(64, 2, 256, 2))
+    assert k.cubin.binary[:4] == b"\x7fELF" and k.cubin.name.encode() in k.cubin.binary
+    assert k.cubin.threads == 256 and k.cubin.extra_null == 0 and k.grid == (64, 1, 2)
+    assert k.cubin.shared_bytes > 48 * 1024  # the launcher raises the dynamic shared memory limit
+    assert list((tmp_path / "tilelang").glob("*.cubin"))
+
+
+def _inputs(seed, b, h, k, w, c, t):
+    """Random, never-zero inputs: ~20% masked ring slots, invalid picks (-1 and >= C), the last row empty."""
+    rng = np.random.default_rng(seed)
+    q = jnp.asarray(rng.standard_normal((b, h, k)), BF16)
+    win = jnp.asarray(rng.standard_normal((b, w, k)), BF16)
+    valid = rng.random((b, w)) < 0.8
+    valid[-1] = False
+    pool = jnp.asarray(rng.standard_normal((b, c, k)), BF16)
+    top = rng.integers(-1, c + 3, (b, t)).astype(np.int32)  # -1 and c .. c+2 are invalid
+    top[0, :5] = [-1, c, c + 7, -100, 0]
+    top[-1] = -1
+    sinks = rng.standard_normal(h).astype(np.float32)
+    return q, win, jnp.asarray(valid), pool, jnp.asarray(top), jnp.asarray(sinks)
+
+
+def _check(args, scale, **tiling):
+    out = jax.jit(lambda *a: sparse_decode(*a, scale=scale, impl="tilelang", **tiling))(*args)
+    ref = sparse_decode_ref(*[a.astype(jnp.float32) if a.dtype == BF16 else a for a in args], scale)
+    assert out.dtype == BF16 and out.shape == args[0].shape
+    assert_close(out.astype(jnp.float32), ref, 1e-2)
+    assert np.all(np.asarray(out[-1], np.float32) == 0)  # nothing valid: all mass on the sink
+
+
+@needs_tilelang
+@pytest.mark.gpu
+@pytest.mark.parametrize(
+    "block_s,stages,warps,nsplit",
+    [
+        (64, 2, 8, 1),
+        (32, 4, 8, 1),
+        (64, 2, 16, 1),
+        (16, 3, 8, 1),
+        (64, 2, 8, 2),
+        (32, 3, 8, 3),
+        (32, 4, 16, 7),
+    ],
+)
+def test_tilelang_matches_ref_odd_shapes(block_s, stages, warps, nsplit):
+    """b 3, W 100, T 77, C 300: neither W nor T is a multiple of block_s; 128 heads = 2 head groups."""
+    args = _inputs(block_s + nsplit, 3, 128, 512, 100, 300, 77)
+    _check(args, 512**-0.5, block_s=block_s, num_stages=stages, num_warps=warps, nsplit=nsplit)
+
+
+@needs_tilelang
+@pytest.mark.gpu
+@pytest.mark.parametrize("b,nsplit,block_s", [(64, 1, 64), (64, 2, 64), (8, 10, 64), (8, 16, 32)])
+def test_tilelang_matches_ref_benchmark_shape(b, nsplit, block_s):
+    """The benchmark's shape (h 64, k 512, W 128, C 2048, T 512) with the split counts the sweep times."""
+    args = _inputs(b + nsplit, b, 64, 512, 128, 2048, 512)
+    _check(args, 512**-0.5, block_s=block_s, num_stages=2, num_warps=8, nsplit=nsplit)
+
+
+@needs_tilelang
+@pytest.mark.gpu
+def test_tilelang_large_logits_and_ring_129():
+    """Scores far above the sink (the sink's term underflows) and the model's ring of R + 1 = 129 slots."""
+    args = list(_inputs(5, 4, 64, 512, 129, 1000, 512))
+    args[0] = args[0] * 16  # logits ~ N(0, 16^2): far above the sink, exp without the max would overflow
+    _check(args, 512**-0.5, block_s=64, num_stages=2, num_warps=8, nsplit=1)
+    _check(args, 512**-0.5, block_s=64, num_stages=2, num_warps=8, nsplit=4)
