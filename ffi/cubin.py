@@ -18,6 +18,7 @@ import numpy as np
 from djax.ffi.build import library
 
 TARGET_ARCH = 90  # Hopper (H100/H200); the cubin is built for exactly this compute capability
+MAX_SHARED_BYTES = 227 * 1024  # an sm_90 block's opt-in shared memory limit
 
 _TRITON_TYPES = {
     np.dtype("float32"): "fp32",
@@ -68,6 +69,11 @@ def _compile(
     if getattr(md, "global_scratch_size", 0) or getattr(md, "profile_scratch_size", 0):
         raise NotImplementedError(
             f"{k.name} needs Triton scratch memory, which the FFI launcher does not provide"
+        )
+    if md.shared > MAX_SHARED_BYTES:
+        raise ValueError(
+            f"{k.name} needs {md.shared} bytes of shared memory per block, more than sm_90's "
+            f"{MAX_SHARED_BYTES}: use smaller tiles or fewer stages (or 2-byte operands)"
         )
     binary = k.asm["cubin"]
     key = hashlib.sha256(binary).hexdigest()[:24]

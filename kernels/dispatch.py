@@ -19,6 +19,10 @@ def has_triton() -> bool:
     return importlib.util.find_spec("triton") is not None
 
 
+def has_tilelang() -> bool:
+    return importlib.util.find_spec("tilelang") is not None
+
+
 def resolve(impl: str, allowed: tuple[str, ...], fast: str | None = "triton") -> str:
     """Maps `impl` to one of `allowed`; "auto" is `fast` on CUDA with Triton present, else "ref"."""
     if impl == "auto":

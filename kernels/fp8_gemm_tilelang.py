@@ -14,7 +14,9 @@ TMA loads of the fp8 tiles into a `stages`-deep ring, a producer warpgroup and o
 (automatic warp specialisation, mbarrier handshakes), each consumer issuing m64nNk32 wgmmas over the full tile
 width, the scales for the k block loaded before its wgmmas (their latency hides under the MMA), a TMA store of
 the bf16 tile, an optional rasterised block order (L2 reuse at prefill) and an optional split of k (decode:
-f32 partials summed by XLA). Its kernel takes `CUtensorMap` descriptors, so it is launched by
+f32 partials summed by XLA). Newer `WsTiling` options: 128x256 tiles (each warpgroup's 64x256 computed per k
+block in two 128-column slices), two consumer warpgroups side by side at decode, and the CTA's scales loaded
+once into shared memory by TMA (`smem_scales`). Its kernel takes `CUtensorMap` descriptors, so it is launched by
 `ffi/csrc/tma_launch.cc` (`djax.ffi.tma`), which encodes them per call from XLA's buffer addresses.
 
 Compiling needs TileLang 0.1.15 and, for the cubin, nvcc (13.0 here and on the H200 image), not a GPU.
@@ -66,42 +68,110 @@ class CudaKernel:
 
 @dataclass(frozen=True)
 class WsTiling:
-    """Tiles of the TMA + warp-specialised variant: block_m rows (64 per consumer warpgroup) x block_n columns
-    (dividing 128, so one weight scale per tile), a `stages`-deep TMA ring, `panel` > 0 rasterises the block order
-    in panels of that many tiles (L2 reuse), `split_k` > 1 splits k over the grid's z (f32 partials)."""
+    """Tiles of the TMA + warp-specialised variant: block_m rows x block_n columns per CTA, a `stages`-deep TMA
+    ring, `panel` > 0 rasterises the block order in panels of that many tiles (L2 reuse), `split_k` > 1 splits k
+    over the grid's z (f32 partials).
+
+    block_n divides 128 (one weight scale per tile) or is 256 (two). `warpgroups` consumer warpgroups (0: one per
+    64 rows) split the tile by rows when there are block_m / 64 of them, else by columns (block_m 64 with two
+    warpgroups of 64 x block_n/2 each: decode). A warpgroup whose share is wider than 128 columns computes each
+    k block's partial in 128-column slices (one wgmma chain and promotion per slice) so that partial (64 regs)
+    and promoted accumulator (64 per slice) fit under setmaxnreg's 240. `smem_scales` loads the CTA's activation
+    and weight scales for its whole k range into shared memory (TMA, once) instead of from global memory in
+    every k block, taking their latency off the consumers' per-block critical path."""
 
     block_m: int
     block_n: int
     stages: int
     panel: int = 0
     split_k: int = 1
+    warpgroups: int = 0
+    smem_scales: bool = False
+
+    @property
+    def consumer_wgs(self) -> int:
+        return self.warpgroups or self.block_m // 64
 
     @property
     def consumer_threads(self) -> int:
-        return 128 * (self.block_m // 64)
+        return 128 * self.consumer_wgs
+
+    @property
+    def by_rows(self) -> bool:
+        """Warpgroups split the tile by rows (FullRow) rather than by columns (FullCol)."""
+        return self.consumer_wgs == self.block_m // 64
+
+    @property
+    def slices(self) -> int:
+        """128-column slices each k block's partial is computed in (1: the whole tile in one wgmma chain)."""
+        wg_cols = self.block_n if self.by_rows else self.block_n // self.consumer_wgs
+        return max(1, wg_cols // BLOCK)
 
     @property
     def name(self) -> str:
         tail = (f"_p{self.panel}" if self.panel else "") + (f"_k{self.split_k}" if self.split_k > 1 else "")
+        tail += (f"_w{self.warpgroups}" if self.warpgroups else "") + ("_ss" if self.smem_scales else "")
         return f"ws{self.block_m}x{self.block_n}s{self.stages}{tail}"
 
 
+# Best "ws" tiling measured on an H200 per (regime, n, k) (bench_tilelang.py; regime: m <= 64 is decode):
+# prefill from benchmarks/results/tilelang_fp8_gemm_h200_x256.json, decode from tilelang_fp8_gemm_h200.json.
+MEASURED_WS_BEST = {
+    ("prefill", 7168, 7168): WsTiling(128, 256, 3, panel=8),  # 411 us at m=4096 (1024 TFLOP/s)
+    ("prefill", 4096, 4096): WsTiling(128, 256, 3, panel=8),  # 181 us at m=4096 (760 TFLOP/s)
+    ("decode", 16384, 7168): WsTiling(64, 128, 6, split_k=4),  # 80.7 us
+    ("decode", 4096, 7168): WsTiling(64, 128, 6, split_k=4),  # 50.2 us
+    ("decode", 4096, 4096): WsTiling(64, 32, 8),  # 37.7 us
+    ("decode", 7168, 4096): WsTiling(64, 64, 6, split_k=2),  # 33.9 us
+}
+
+
 def default_ws_tiling(m: int, n: int, k: int) -> WsTiling:
-    """Prefill: 128x128, two consumer warpgroups, 4 stages, panels of 8 for L2. Decode (m <= 64): one consumer
-    warpgroup and enough CTAs (via narrower n tiles, then split-k) to put one on about every SM, since every
-    weight byte must stream through some SM."""
+    """The measured best for a known (regime, n, k) (`MEASURED_WS_BEST`), else: prefill 128x256 (two
+    consumer warpgroups, 128-column slices) in 3 stages rasterised in panels of 8, the best at both
+    measured prefill shapes, where 256 divides n; else 128x128, rasterised with 3 stages when the weights
+    (n k bytes) overflow about half the 50 MB L2, else 4 stages unrasterised.
+    Decode (m <= 64): one consumer warpgroup and enough CTAs (narrower n tiles, then split-k) to put one on
+    about every SM, since every weight byte must stream through some SM."""
     kb = k // BLOCK
+    regime = "decode" if m <= 64 else "prefill"
+    best = MEASURED_WS_BEST.get((regime, n, k))
+    if best is not None and n % best.block_n == 0 and kb % best.split_k == 0:
+        return best
     if m > 64:
-        return WsTiling(128, 128, max(1, min(4, kb)), panel=8)
+        if n % 256 == 0:
+            return WsTiling(128, 256, max(1, min(3, kb)), panel=8)
+        if n * k > 32 << 20:
+            return WsTiling(128, 128, max(1, min(3, kb)), panel=8)
+        return WsTiling(128, 128, max(1, min(4, kb)))
     for block_n, split in ((128, 1), (64, 1), (128, 2), (64, 2), (128, 4), (32, 1), (64, 4)):
         if kb % split == 0 and (n // block_n) * split >= 0.9 * H200_SMS:
             return WsTiling(64, block_n, max(1, min(6, kb // split)), split_k=split)
     return WsTiling(64, 32, max(1, min(6, kb)))
 
 
-WS_VARIANTS = {  # tilings worth timing; the bench and tests iterate over these
-    "prefill": (WsTiling(128, 128, 4, 8), WsTiling(128, 128, 3, 8), WsTiling(128, 128, 4, 0)),
-    "decode": (WsTiling(64, 32, 8), WsTiling(64, 64, 6, split_k=2), WsTiling(64, 128, 6, split_k=4)),
+WS_VARIANTS = {  # tilings worth timing (measured best first, then the newer ones); bench and tests use these
+    "prefill": (
+        WsTiling(128, 128, 3, 8),
+        WsTiling(128, 128, 4, 0),
+        # 128x256: each consumer warpgroup 64x256 in two 128-column slices (acc 2x64 + partial 64 registers)
+        WsTiling(128, 256, 3, 8),
+        WsTiling(128, 256, 4, 8),
+        WsTiling(128, 256, 3, 8, smem_scales=True),
+        WsTiling(128, 256, 4, 8, smem_scales=True),
+        WsTiling(128, 128, 4, 8, smem_scales=True),
+    ),
+    "decode": (
+        WsTiling(64, 32, 8),
+        WsTiling(64, 64, 6, split_k=2),
+        WsTiling(64, 128, 6, split_k=4),
+        # scales in shared memory: no global load on the consumer's per-k-block path
+        WsTiling(64, 128, 8, smem_scales=True),
+        # (64x128 split 4 with scales in shared memory stopped with an illegal instruction at k 7168: dropped)
+        WsTiling(64, 64, 8, split_k=2, smem_scales=True),
+        # two consumer warpgroups side by side (64x128 each): twice the MMA + promotion throughput per CTA
+        WsTiling(64, 256, 5, split_k=2, warpgroups=2, smem_scales=True),
+    ),
 }
 
 
@@ -159,20 +229,45 @@ def cuda_program(m: int, n: int, k: int, tiling: Tiling):
     return fp8_gemm
 
 
+def check_ws_tiling(m: int, n: int, k: int, tiling: WsTiling) -> None:
+    check_shapes(m, n, k)
+    bm, bn, wgs = tiling.block_m, tiling.block_n, tiling.consumer_wgs
+    if bm not in (64, 128) or not (bn == 2 * BLOCK or (BLOCK % bn == 0 and bn % 16 == 0)):
+        raise ValueError(
+            f"WsTiling needs block_m 64 or 128 and block_n dividing {BLOCK} or {2 * BLOCK}: {tiling}"
+        )
+    if not (tiling.by_rows or (bm == 64 and wgs == 2 and bn >= 64)):
+        raise ValueError(f"{wgs} consumer warpgroups do not tile {bm}x{bn}: {tiling}")
+    if n % bn:
+        raise ValueError(f"block_n={bn} does not divide n={n}")
+    if (k // BLOCK) % tiling.split_k:
+        raise ValueError(f"split_k={tiling.split_k} does not divide the {k // BLOCK} k blocks")
+    if tiling.smem_scales and (k // BLOCK) % 4:
+        # TMA needs the scale rows' stride (k / 128 floats) to be a multiple of 16 bytes
+        raise ValueError(f"smem_scales needs k a multiple of {4 * BLOCK}: {tiling} at k={k}")
+    if tiling.smem_scales and (k // BLOCK // tiling.split_k) % 4:
+        # A split's scale columns padded up to a 16-byte TMA box: on the H200 this kernel stopped with an
+        # illegal instruction (64x4096x7168, split_k 4: 14 k blocks per split). Not understood; refused.
+        raise ValueError(f"smem_scales needs a multiple of 4 k blocks per split: {tiling} at k={k}")
+
+
 def ws_program(m: int, n: int, k: int, tiling: WsTiling):
     """The CUDA program for TileLang's TMA + warp-specialised lowering (same operands as `cuda_program`). With
-    split_k > 1 the result is f32 partials P[split_k, m, n] (each split sums its share of the k blocks)."""
+    split_k > 1 the result is f32 partials P[split_k, m, n] (each split sums its share of the k blocks).
+    See `WsTiling` for the warpgroup layouts, 128-column slices and shared-memory scales."""
     import tilelang.language as T
 
-    check_shapes(m, n, k)
+    check_ws_tiling(m, n, k, tiling)
     bm, bn, split = tiling.block_m, tiling.block_n, tiling.split_k
     kb = k // BLOCK
-    if bm not in (64, 128) or BLOCK % bn or bn % 16:
-        raise ValueError(f"WsTiling needs block_m 64 or 128 and block_n dividing {BLOCK}: {tiling}")
-    if kb % split:
-        raise ValueError(f"split_k={split} does not divide the {kb} k blocks")
     kps = kb // split  # k blocks per split
     stages = max(1, min(tiling.stages, kps))
+    nsb = max(1, bn // BLOCK)  # weight-scale blocks the tile spans
+    sliced = tiling.slices == 2
+    sw = bn // tiling.slices  # slice width
+    ss = tiling.smem_scales
+    kss = -(-kps // 4) * 4  # scale columns loaded: the TMA box's inner extent must be a multiple of 16 bytes
+    policy = T.GemmWarpPolicy.FullRow if tiling.by_rows else T.GemmWarpPolicy.FullCol
     fp8, f32 = "float8_e4m3fn", "float32"
     out_shape, out_dtype = ((split, m, n), f32) if split > 1 else ((m, n), "bfloat16")
 
@@ -186,29 +281,68 @@ def ws_program(m: int, n: int, k: int, tiling: WsTiling):
     ):
         with T.Kernel(n // bn, T.ceildiv(m, bm), split, threads=tiling.consumer_threads) as (bx, by, bz):
             a_s = T.alloc_shared((bm, BLOCK), fp8)
-            b_s = T.alloc_shared((bn, BLOCK), fp8)
-            part = T.alloc_fragment((bm, bn), f32)
-            acc = T.alloc_fragment((bm, bn), f32)
+            b_s = T.alloc_shared((sw, BLOCK), fp8)
+            b1_s = T.alloc_shared((sw, BLOCK), fp8)  # second 128-column slice (unused unless sliced)
+            part = T.alloc_fragment((bm, sw), f32)
+            acc = T.alloc_fragment((bm, sw), f32)
+            acc1 = T.alloc_fragment((bm, sw), f32)
             scale = T.alloc_fragment((bm,), f32)
-            c_s = T.alloc_shared((bm, bn), out_dtype)
+            scale1 = T.alloc_fragment((bm,), f32)
+            # columns past this split's kps hold the next split's scales (or TMA's zero fill), never read
+            as_s = T.alloc_shared((bm, kss), f32)
+            bs_s = T.alloc_shared((nsb, kss), f32)
+            c_s = T.alloc_shared((bm, sw), out_dtype)
+            c1_s = T.alloc_shared((bm, sw), out_dtype)
             if tiling.panel:
                 T.use_swizzle(tiling.panel)
+            if ss:  # the whole k range's scales, once (TMA; rows past m fill with 0)
+                T.copy(AS[by * bm, bz * kps], as_s)
+                T.copy(BS[bx * bn // BLOCK, bz * kps], bs_s)
             T.clear(acc)
+            if sliced:
+                T.clear(acc1)
             for j in T.Pipelined(kps, num_stages=stages):
                 i = bz * kps + j
                 T.copy(A[by * bm, i * BLOCK], a_s)
                 T.copy(B[bx * bn, i * BLOCK], b_s)
-                # before the wgmmas, so the loads' latency hides under them; rows past m read as 0
-                for r in T.Parallel(bm):
-                    scale[r] = AS[by * bm + r, i] * BS[bx * bn // BLOCK, i]
-                T.gemm(a_s, b_s, part, transpose_B=True, clear_accum=True, policy=T.GemmWarpPolicy.FullRow)
-                for r, c in T.Parallel(bm, bn):
-                    acc[r, c] += part[r, c] * scale[r]
+                if sliced:
+                    T.copy(B[bx * bn + sw, i * BLOCK], b1_s)
+                # before the wgmmas, so the loads' latency hides under them; rows past m read as 0.
+                # scale: the tile's (first) weight-scale block, scale1: its second when block_n is 256
+                if ss:
+                    for r in T.Parallel(bm):
+                        scale[r] = as_s[r, j] * bs_s[0, j]
+                    if nsb == 2:
+                        for r in T.Parallel(bm):
+                            scale1[r] = as_s[r, j] * bs_s[1, j]
+                else:
+                    for r in T.Parallel(bm):
+                        scale[r] = AS[by * bm + r, i] * BS[bx * bn // BLOCK, i]
+                    if nsb == 2:
+                        for r in T.Parallel(bm):
+                            scale1[r] = AS[by * bm + r, i] * BS[bx * nsb + 1, i]
+                T.gemm(a_s, b_s, part, transpose_B=True, clear_accum=True, policy=policy)
+                if nsb == 2 and not sliced:  # warpgroups side by side: each one's columns in one scale block
+                    for r, c in T.Parallel(bm, sw):
+                        acc[r, c] += part[r, c] * T.if_then_else(c < BLOCK, scale[r], scale1[r])
+                else:
+                    for r, c in T.Parallel(bm, sw):
+                        acc[r, c] += part[r, c] * scale[r]
+                if sliced:
+                    T.gemm(a_s, b1_s, part, transpose_B=True, clear_accum=True, policy=policy)
+                    for r, c in T.Parallel(bm, sw):
+                        acc1[r, c] += part[r, c] * scale1[r]
             T.copy(acc, c_s)
+            if sliced:
+                T.copy(acc1, c1_s)
             if split > 1:
                 T.copy(c_s, C[bz, by * bm, bx * bn])
+                if sliced:
+                    T.copy(c1_s, C[bz, by * bm, bx * bn + sw])
             else:
                 T.copy(c_s, C[by * bm, bx * bn])
+                if sliced:
+                    T.copy(c1_s, C[by * bm, bx * bn + sw])
 
     return fp8_gemm
 

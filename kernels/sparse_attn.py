@@ -5,7 +5,7 @@ from __future__ import annotations
 import jax
 import jax.numpy as jnp
 
-from djax.kernels.dispatch import resolve
+from djax.kernels.dispatch import has_tilelang, on_cuda, resolve
 from djax.kernels.sparse_attn_ref import sparse_decode_ref
 
 
@@ -31,10 +31,19 @@ def sparse_decode(
     power of two and h a multiple of `block_h` (>= 16); a row with nothing valid returns zeros.
     `nsplit` > 1 splits the keys over that many programs per row (flash decoding) and merges them after.
 
+    impl="auto" on CUDA takes TileLang with its measured default tiling where the kernel applies and
+    TileLang is installed, else Triton with the arguments given.
     impl="tilelang" (sm_90a; q bf16, h a multiple of 64): one CTA per (row, 64 heads, split) with
     `num_warps` * 32 threads (8 or 16 warps), `block_s` keys per step (16/32/64/128) and `num_stages`
     shared key buffers (below 2 is read as 2); `block_h` is ignored. Unsupported shapes raise ValueError.
     """
+    if impl == "auto" and q.dtype == jnp.bfloat16 and on_cuda() and has_tilelang():
+        from djax.kernels.sparse_attn_tilelang import default_tiling
+
+        tiling = default_tiling(q.shape[0], q.shape[1], q.shape[2], window.shape[1], topk.shape[1])
+        if tiling is not None:
+            impl, block_s, num_stages, nsplit = "tilelang", tiling.block_s, tiling.stages, tiling.nsplit
+            num_warps = tiling.threads // 32
     impl = resolve(impl, ("ref", "triton", "tilelang"))
     if impl == "ref":
         return sparse_decode_ref(q, window, window_valid, pool, topk, sinks, scale)

@@ -596,6 +596,7 @@ def _sparse_decode(q, keys, win_mask, comp, sinks, scale: float, impl: str) -> j
     else:
         pool, top, ok = comp
         picks = jnp.where(ok[:, 0], top[:, 0], -1)
+    impl = "auto" if impl == "triton" else impl  # on CUDA the op picks TileLang where it applies, else Triton
     o = kpartition.sparse_decode(impl)(
         q[:, 0], keys, win_mask[:, 0], pool, picks.astype(jnp.int32), sinks, scale
     )

@@ -132,12 +132,15 @@ def experts_grouped(x, weights, idx, w1, w2, w3, limit: float) -> jax.Array:
     every size: they read each touched expert once, while XLA lowers `ragged_dot` densely there (every
     expert on every row) and the gather path writes a copy of every (token, choice)'s matrices (on the
     H200 it made a 32-row decode step 2.3x slower than a 128-row one). Elsewhere gather for a few
-    tokens, all experts batched for a decode-sized batch and the grouped ragged GEMM for prefill."""
+    tokens, all experts batched for a decode-sized batch and the grouped ragged GEMM for prefill (and so
+    for float32 on CUDA too)."""
     from djax.kernels.dispatch import has_triton, on_cuda
 
     n, k, e = x.shape[0], idx.shape[1], w1.shape[0]
     d, f = x.shape[1], w1.shape[1]
-    if on_cuda() and has_triton() and d % 128 == 0 and f % 128 == 0:  # whole GEMM tiles only
+    # Whole GEMM tiles only, and bf16: the kernels' tiles are sized for 2-byte operands (float32 ones need
+    # more shared memory than an H200 block may have).
+    if on_cuda() and has_triton() and d % 128 == 0 and f % 128 == 0 and x.dtype == jnp.bfloat16:
         return experts_triton(x, weights, idx, w1, w2, w3, limit)
     if n * k <= e:
         return experts_gather(x, weights, idx, w1, w2, w3, limit)

@@ -62,3 +62,21 @@ def test_triton_compiles_ahead_to_sm90_cubin():
     )
     assert k.binary[:4] == b"\x7fELF" and k.name == "sparse_decode_kernel"
     assert k.threads == 128 and k.shared_bytes > 0 and k.extra_null == 2
+
+
+@pytest.mark.skipif(importlib.util.find_spec("triton") is None, reason="needs triton")
+def test_kernel_over_the_shared_memory_limit_is_refused_at_compile_time():
+    """float32 key tiles of 128 x 512 need more shared memory than an sm_90 block has: a clear error when
+    compiled (no GPU needed), instead of CUDA's "invalid argument" when the cubin is loaded."""
+    from djax.ffi.cubin import compile_triton
+    from djax.kernels.sparse_attn_triton import constexprs, sparse_decode_kernel
+
+    names = ["q_ptr", "win_ptr", "valid_ptr", "pool_ptr", "topk_ptr", "sink_ptr", "out_ptr"]
+    f32 = jnp.float32
+    dtypes = [f32, f32, jnp.int32, f32, jnp.int32, f32, f32]
+    with pytest.raises(
+        (ValueError, RuntimeError), match="more than sm_90.s 232448"
+    ):  # RuntimeError: compiled in a child
+        compile_triton(
+            sparse_decode_kernel, names, dtypes, constexprs(64, 512, 128, 1024, 512, 0.05, 64, 128), 8, 3
+        )

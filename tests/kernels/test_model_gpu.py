@@ -46,18 +46,24 @@ def test_forward_and_decode_fast_paths_within_bf16_error(name):
     assert err_fast <= 2 * err_slow + 1e-3, (err_fast, err_slow)
 
 
-@pytest.mark.parametrize("name", ["tiny-v4", "tiny-v41"])
-def test_decode_kernels_auto_within_bf16_error(name, monkeypatch):
-    """Decode with kernels="auto" (Triton sparse_decode and index_scores) against the jnp path ("off"),
-    both bf16, judged against a float32 run of the jnp path. 32 heads of 64 and 16 indexer heads of 16 meet
-    the kernels' shape rules; rows of different lengths, the shortest with empty HCA / CSA pools at first."""
+@pytest.mark.parametrize("name, heads", [("tiny-v4", 32), ("tiny-v41", 32), ("tiny-v4", 64)])
+def test_decode_kernels_auto_within_bf16_error(name, heads, monkeypatch):
+    """Decode with kernels="auto" (sparse_decode and index_scores kernels) against the jnp path ("off"),
+    both bf16, judged against a float32 run of the jnp path. 32 heads of 64 take the Triton attention
+    kernel, 64 heads the TileLang one (where TileLang is installed); 16 indexer heads of 16 meet the
+    indexer kernel's rules; rows of different lengths, the shortest with empty HCA / CSA pools at first."""
     import functools
+    import importlib.util
 
-    from djax.kernels import indexer, sparse_attn
+    from djax.kernels import indexer, sparse_attn, sparse_attn_tilelang
     from djax.models import deepseek_v4 as v4
 
     cfg = djax.preset(name).replace(
-        hidden_size=256, moe_intermediate_size=256, n_routed_experts=16, num_attention_heads=32, head_dim=64
+        hidden_size=256,
+        moe_intermediate_size=256,
+        n_routed_experts=16,
+        num_attention_heads=heads,
+        head_dim=64,
     )
     bf = cfg.replace(dtype="bfloat16")
     pbf = djax.init_params(bf, jax.random.key(0))
@@ -75,7 +81,9 @@ def test_decode_kernels_auto_within_bf16_error(name, monkeypatch):
 
         return wrapped
 
-    for module, name in ((sparse_attn, "sparse_decode"), (indexer, "index_scores")):
+    patch = [(sparse_attn, "sparse_decode"), (indexer, "index_scores"), (sparse_attn, "_triton")]
+    patch.append((sparse_attn_tilelang, "sparse_decode_tilelang"))
+    for module, name in patch:
         monkeypatch.setattr(module, name, counting(name, getattr(module, name)))
 
     def decode(p, c, mode):
@@ -93,7 +101,10 @@ def test_decode_kernels_auto_within_bf16_error(name, monkeypatch):
     assert not calls
     fast = decode(pbf, bf, "auto")
     layers = cfg.num_hidden_layers
-    assert [i for n, i in calls if n == "sparse_decode"] == ["triton"] * layers, calls
+    assert [i for n, i in calls if n == "sparse_decode"] == ["auto"] * layers, calls
+    tilelang = heads % 64 == 0 and importlib.util.find_spec("tilelang") is not None
+    backend = "sparse_decode_tilelang" if tilelang else "_triton"
+    assert sum(n == backend for n, _ in calls) == layers, calls
     assert calls.count(("index_scores", "triton")) >= 1, calls
     err_slow, err_fast = _rel(slow, truth), _rel(fast, truth)
     assert err_fast <= 2 * err_slow + 1e-3, (err_fast, err_slow)

@@ -71,6 +71,7 @@ def test_lowering_split_kernel_with_head_groups():
         ((2, 64, 512, 128, 64, 64), (64, 2, 384, 1), "threads"),
         ((2, 64, 512, 128, 64, 64), (64, 2, 256, 4), "nsplit"),  # only 3 key blocks
         ((2, 64, 512, 128, 64, 64), (64, 1, 256, 1), "stages"),
+        ((8, 64, 512, 128, 2048, 512), (64, 2, 512, 10), "16 warps"),  # one block per split
     ],
 )
 def test_unsupported_shapes_raise_value_error(shape, tiling, match):
@@ -129,7 +130,7 @@ def _check(args, scale, **tiling):
         (16, 3, 8, 1),
         (64, 2, 8, 2),
         (32, 3, 8, 3),
-        (32, 4, 16, 7),
+        (32, 4, 16, 3),
     ],
 )
 def test_tilelang_matches_ref_odd_shapes(block_s, stages, warps, nsplit):
@@ -155,3 +156,31 @@ def test_tilelang_large_logits_and_ring_129():
     args[0] = args[0] * 16  # logits ~ N(0, 16^2): far above the sink, exp without the max would overflow
     _check(args, 512**-0.5, block_s=64, num_stages=2, num_warps=8, nsplit=1)
     _check(args, 512**-0.5, block_s=64, num_stages=2, num_warps=8, nsplit=4)
+
+
+def test_default_tiling_covers_the_sms_once_and_declines_other_heads():
+    from djax.kernels.sparse_attn_tilelang import default_tiling
+
+    b64, b8 = default_tiling(64, 64, 512, 128, 512), default_tiling(8, 64, 512, 128, 512)
+    assert (b64.block_s, b64.threads, b64.nsplit) == (64, 256, 2)
+    assert b8.nsplit == 10  # every one of the 10 key blocks its own CTA: 80 CTAs
+    assert default_tiling(1, 64, 512, 129, 1).nsplit == 4  # a sliding layer: 3 ring blocks + 1 pick block
+    assert default_tiling(4, 32, 512, 128, 512) is None  # not a multiple of 64 heads: Triton runs instead
+
+
+@needs_tilelang
+@pytest.mark.gpu
+def test_auto_takes_tilelang_default_tiling(monkeypatch):
+    """impl="auto" on the GPU: the default tiling (16 warps, split over the SMs) against the reference."""
+    from djax.kernels import sparse_attn_tilelang
+
+    used = []
+    run = sparse_attn_tilelang.sparse_decode_tilelang
+    monkeypatch.setattr(
+        sparse_attn_tilelang, "sparse_decode_tilelang", lambda *a: used.append(a[-1]) or run(*a)
+    )
+    args = _inputs(9, 8, 64, 512, 129, 700, 300)
+    out = jax.jit(lambda *a: sparse_decode(*a, scale=512**-0.5, impl="auto"))(*args)
+    ref = sparse_decode_ref(*[a.astype(jnp.float32) if a.dtype == BF16 else a for a in args], 512**-0.5)
+    assert used == [sparse_attn_tilelang.default_tiling(8, 64, 512, 129, 300)], used
+    assert_close(out.astype(jnp.float32), ref, 1e-2)

@@ -113,7 +113,11 @@ def test_ws_descriptors_match_kernel(m, n, k, tiling):
     from djax.ffi import tma
     from djax.kernels.fp8_gemm_tilelang import WsTiling, default_ws_tiling, lower_ws
 
-    t = WsTiling(64, 128, 4, split_k=4) if tiling == "split" else default_ws_tiling(m, n, k)
+    if tiling == "split":
+        t = WsTiling(64, 128, 4, split_k=4)
+    else:  # one B load per k block: the 128-wide tilings (the 256-wide ones load B in two slices)
+        t = default_ws_tiling(m, n, k)
+        t = t if t.block_n <= 128 else WsTiling(128, 128, 3, panel=8)
     src, launch = lower_ws(m, n, k, t)
     assert launch["threads"] == t.consumer_threads + 128  # one producer warpgroup
     assert launch["grid"] == (n // t.block_n, -(-m // t.block_m), t.split_k)
@@ -153,6 +157,89 @@ def test_ws_cubins_for_sm90_without_a_gpu(tmp_path, monkeypatch, phase):
     kern = ws_kernel.__wrapped__(m, n, k, WS_VARIANTS[phase][0])
     assert kern.binary[:4] == b"\x7fELF" and kern.name.encode() in kern.binary
     assert kern.threads in (256, 384) and kern.shared_bytes > 48 * 1024
+
+
+NEW_WS = [t for ts in WS_VARIANTS.values() for t in ts if t.smem_scales or t.block_n > 128 or t.warpgroups]
+
+
+@needs_tilelang
+@needs_cuda_h
+@pytest.mark.parametrize("tiling", NEW_WS, ids=lambda t: t.name)
+@pytest.mark.parametrize("m", [200, 5])
+def test_ws_new_layouts_lower(tiling, m):
+    """No GPU needed: 128x256 tiles (two 128-column slices per warpgroup: two B loads and two wgmma chains per
+    k block), two side-by-side consumer warpgroups, and scales in shared memory (AS and BS become TMA tensor
+    maps over the CTA's k range, no per-block global loads) lower to kernels whose launch plan the C++ checker
+    accepts, with m not a multiple of the block."""
+    from djax.ffi import tma
+    from djax.kernels.fp8_gemm_tilelang import lower_ws
+
+    n, k = 1024, 1024
+    src, launch = lower_ws(m, n, k, tiling)
+    assert launch["threads"] == tiling.consumer_threads + 128
+    assert launch["grid"] == (n // tiling.block_n, -(-m // tiling.block_m), tiling.split_k)
+    assert (
+        launch["shared_bytes"]
+        >= min(tiling.stages, 8 // tiling.split_k) * (tiling.block_m + tiling.block_n) * 128
+    )
+    assert launch["shared_bytes"] <= 227 * 1024  # the H200's opt-in limit per block
+    maps = {p.buffer: p for p in launch["params"] if isinstance(p, tma.TensorMap)}
+    if tiling.smem_scales:
+        # each scale tile arrives once, by a tensor map or (a contiguous, in-bounds region) a 1-D bulk copy
+        assert {0, 2, 4} <= set(maps) and 1 in maps  # rows past m: only a tensor map zero-fills them
+        kss = -(-(k // 128 // tiling.split_k) // 4) * 4
+        assert (maps[1].dtype, maps[1].dims, maps[1].box) == (7, (k // 128, m), (kss, tiling.block_m))
+        for line in src.splitlines():
+            if "AS[" in line or "BS[" in line:
+                assert "tma_load" in line, line
+    else:
+        assert sorted(maps) == [0, 2, 4]
+    assert maps[2].box == (128, tiling.block_n // tiling.slices)
+    assert "wgmma" in src and "warpgroup_reg_alloc" in src
+    if tiling.slices == 2:
+        assert src.count("tl::tma_load(B_desc") == 2
+    kern = tma.TmaKernel("x", launch["name"], b"", launch["grid"], launch["threads"], 0, launch["params"])
+    assert tma.check(kern, _sizes(m, n, k, tiling.split_k)) == 5
+
+
+@needs_tilelang
+def test_ws_tiling_validation_and_defaults():
+    from djax.kernels.fp8_gemm_tilelang import MEASURED_WS_BEST, WsTiling, check_ws_tiling, default_ws_tiling
+
+    for bad in (WsTiling(128, 192, 3), WsTiling(192, 128, 3), WsTiling(128, 128, 3, warpgroups=1)):
+        with pytest.raises(ValueError):
+            check_ws_tiling(256, 1024, 1024, bad)
+    with pytest.raises(ValueError, match="smem_scales"):
+        check_ws_tiling(64, 1024, 384, WsTiling(64, 128, 4, smem_scales=True))  # 3 k blocks: stride 12 bytes
+    with pytest.raises(ValueError, match="block_n"):
+        check_ws_tiling(64, 384, 1024, WsTiling(64, 256, 4, warpgroups=2))
+    assert WsTiling(128, 256, 3).slices == 2 and WsTiling(64, 256, 3, warpgroups=2).slices == 1
+    assert WsTiling(64, 256, 5, split_k=2, warpgroups=2, smem_scales=True).name == "ws64x256s5_k2_w2_ss"
+    for (regime, n, k), t in MEASURED_WS_BEST.items():
+        assert default_ws_tiling(64 if regime == "decode" else 4096, n, k) == t
+    assert default_ws_tiling(4096, 8192, 8192) == WsTiling(128, 256, 3, panel=8)  # 256 divides n
+    assert default_ws_tiling(4096, 1152, 2048) == WsTiling(
+        128, 128, 4
+    )  # else 128 wide; small weights: no raster
+    assert default_ws_tiling(4096, 8064, 8192).panel == 8  # 63 x 128 wide, weights over half the L2
+
+
+@needs_tilelang
+@needs_nvcc
+@pytest.mark.slow
+# nvcc takes seconds per kernel: one per new layout (128-column slices + shared-memory scales; 2 warpgroups)
+@pytest.mark.parametrize(
+    "tiling",
+    [t for t in NEW_WS if t.name in ("ws128x256s3_p8_ss", "ws64x256s5_k2_w2_ss")],
+    ids=lambda t: t.name,
+)
+def test_ws_new_cubins_for_sm90_without_a_gpu(tmp_path, monkeypatch, tiling):
+    monkeypatch.setenv("DJAX_FFI_CACHE", str(tmp_path / "ffi"))
+    from djax.kernels.fp8_gemm_tilelang import ws_kernel
+
+    m = 64 if tiling.block_m == 64 else 256
+    kern = ws_kernel.__wrapped__(m, 1024, 2048, tiling)
+    assert kern.binary[:4] == b"\x7fELF" and kern.name.encode() in kern.binary
 
 
 @needs_tilelang
@@ -201,7 +288,10 @@ BF16_OUT_RTOL = 4e-4 + 2.0**-9
 
 
 def _ws_cases():
-    shapes = {"prefill": [(200, 512, 1024), (512, 2048, 4096)], "decode": [(64, 4096, 7168), (5, 1024, 512)]}
+    shapes = {
+        "prefill": [(200, 512, 1024), (512, 2048, 4096)],
+        "decode": [(64, 4096, 7168), (5, 1024, 512), (200, 1024, 1024)],
+    }
     return [
         pytest.param(t, *s, id=f"{t.name}-{s[0]}x{s[1]}x{s[2]}")
         for phase, ts in WS_VARIANTS.items()

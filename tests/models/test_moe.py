@@ -45,3 +45,28 @@ def test_gather_reads_quantized_experts():
     np.testing.assert_allclose(
         np.asarray(got), np.asarray(want), rtol=1e-5, atol=1e-5 * float(jnp.abs(want).max())
     )
+
+
+def test_grouped_takes_the_triton_kernels_on_cuda_only_for_bf16(monkeypatch):
+    """On CUDA the bf16 experts run the Triton grouped GEMMs; float32 ones (whose tiles would overflow an
+    H200 block's shared memory) take the XLA path and still equal the dense twin."""
+    from djax.kernels import dispatch
+    from djax.models import moe as moe_mod
+
+    monkeypatch.setattr(dispatch, "on_cuda", lambda: True)
+    monkeypatch.setattr(dispatch, "has_triton", lambda: True)
+    calls = []
+    monkeypatch.setattr(moe_mod, "experts_triton", lambda x, *a: calls.append(x.dtype) or jnp.zeros_like(x))
+    ks = jax.random.split(jax.random.key(3), 6)
+    n, d, f, e, k = 5, 128, 128, 4, 2
+    x = jax.random.normal(ks[0], (n, d))
+    w1, w3 = (jax.random.normal(kk, (e, f, d)) * d**-0.5 for kk in ks[1:3])
+    w2 = jax.random.normal(ks[3], (e, d, f)) * f**-0.5
+    idx = jax.random.randint(ks[4], (n, k), 0, e)
+    wts = jax.nn.softmax(jax.random.normal(ks[5], (n, k)), -1)
+    moe_mod.experts_grouped(x.astype(jnp.bfloat16), wts, idx, w1, w2, w3, 10.0)
+    assert calls == [jnp.bfloat16]
+    got = moe_mod.experts_grouped(x, wts, idx, w1, w2, w3, 10.0)
+    want = moe_mod.experts_dense(x, wts, idx, w1, w2, w3, 10.0)
+    assert calls == [jnp.bfloat16]
+    np.testing.assert_allclose(np.asarray(got), np.asarray(want), rtol=1e-5, atol=1e-5)
