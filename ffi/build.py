@@ -37,16 +37,16 @@ def library(name: str, cuda: bool = False) -> ctypes.CDLL:
     """Compiles (once per source/header version) and loads `csrc/<name>.cc`. Raises RuntimeError on failure."""
     src = CSRC / f"{name}.cc"
     cxx = os.environ.get("CXX") or shutil.which("g++") or shutil.which("c++") or "c++"
-    flags = ["-O2", "-std=c++17", "-shared", "-fPIC", "-w", f"-I{jax.ffi.include_dir()}"]
+    flags = ["-O2", "-std=c++17", "-shared", "-fPIC", "-w", f"-I{jax.ffi.include_dir()}", f"-I{CSRC}"]
     if cuda:
         inc = cuda_include()
         if inc is None:
             raise RuntimeError("cuda.h not found: set CUDA_HOME")
         flags.append(f"-I{inc}")
     libs = ["-ldl"] if cuda else []
-    key = hashlib.sha256(src.read_bytes() + " ".join([cxx, *flags, jax.__version__]).encode()).hexdigest()[
-        :16
-    ]
+    headers = b"".join(h.read_bytes() for h in sorted(CSRC.glob("*.h")))
+    text = src.read_bytes() + headers + " ".join([cxx, *flags, jax.__version__]).encode()
+    key = hashlib.sha256(text).hexdigest()[:16]
     out = cache_dir() / f"lib{name}-{key}.so"
     if not out.exists():
         out.parent.mkdir(parents=True, exist_ok=True)

@@ -112,38 +112,40 @@ def compile_triton(
     return _compile(fn, ptrs, cx, num_warps, num_stages)
 
 
+# (key, cubin, entry name, device ordinal, dynamic shared bytes, error buffer, its length) -> 0 or an error code:
+# the loader every launcher library exports (ffi/csrc/cuda_driver.h's LoadCubin)
+LOADER_ARGTYPES = [
+    ctypes.c_char_p,
+    ctypes.c_char_p,
+    ctypes.c_char_p,
+    ctypes.c_int,
+    ctypes.c_int,
+    ctypes.c_char_p,
+    ctypes.c_int,
+]
+
+
 @functools.cache
 def _lib():
     lib = library("cubin_launch", cuda=True)
-    lib.djax_load_cubin.argtypes = [
-        ctypes.c_char_p,
-        ctypes.c_char_p,
-        ctypes.c_char_p,
-        ctypes.c_int,
-        ctypes.c_int,
-        ctypes.c_char_p,
-        ctypes.c_int,
-    ]
+    lib.djax_load_cubin.argtypes = LOADER_ARGTYPES
     jax.ffi.register_ffi_target("djax_cubin_launch", jax.ffi.pycapsule(lib.DjaxCubinLaunch), platform="CUDA")
     return lib
 
 
-def load(kernel: Cubin) -> None:
-    """Loads the cubin into every local GPU's primary context (host work, done once at trace time)."""
-    lib = _lib()
+def load_on_devices(loader, kernel) -> None:
+    """Loads `kernel` (key, binary, name, shared_bytes) into every local GPU's primary context through a
+    launcher library's `loader` (host work, done once at trace time)."""
     err = ctypes.create_string_buffer(512)
     for dev in jax.local_devices(backend="gpu"):
-        rc = lib.djax_load_cubin(
-            kernel.key.encode(),
-            kernel.binary,
-            kernel.name.encode(),
-            dev.local_hardware_id or 0,
-            kernel.shared_bytes,
-            err,
-            len(err),
-        )
-        if rc:
+        args = (kernel.key.encode(), kernel.binary, kernel.name.encode(), dev.local_hardware_id or 0)
+        if loader(*args, kernel.shared_bytes, err, len(err)):
             raise RuntimeError(err.value.decode())
+
+
+def load(kernel: Cubin) -> None:
+    """Loads the cubin into every local GPU's primary context (host work, done once at trace time)."""
+    load_on_devices(_lib().djax_load_cubin, kernel)
 
 
 def launch(kernel: Cubin, grid: tuple[int, ...], args: list, out_types: list):

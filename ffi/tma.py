@@ -22,6 +22,7 @@ from dataclasses import dataclass
 import jax
 import numpy as np
 
+from djax.ffi import cubin
 from djax.ffi.build import library
 
 POINTER, TENSOR_MAP = 0, 1
@@ -136,15 +137,7 @@ def params_from_tilelang(device_fn, host_fn, buffers: Sequence[str]) -> tuple[in
 @functools.cache
 def _lib():
     lib = library("tma_launch", cuda=True)
-    lib.djax_tma_load_cubin.argtypes = [
-        ctypes.c_char_p,
-        ctypes.c_char_p,
-        ctypes.c_char_p,
-        ctypes.c_int,
-        ctypes.c_int,
-        ctypes.c_char_p,
-        ctypes.c_int,
-    ]
+    lib.djax_tma_load_cubin.argtypes = cubin.LOADER_ARGTYPES
     lib.djax_tma_check_plan.argtypes = [
         ctypes.POINTER(ctypes.c_int64),
         ctypes.c_int64,
@@ -178,20 +171,7 @@ def check(kernel: TmaKernel, buffer_bytes: Sequence[int]) -> int:
 
 def load(kernel: TmaKernel) -> None:
     """Loads the cubin into every local GPU's primary context (host work, done once at trace time)."""
-    lib = _lib()
-    err = ctypes.create_string_buffer(512)
-    for dev in jax.local_devices(backend="gpu"):
-        rc = lib.djax_tma_load_cubin(
-            kernel.key.encode(),
-            kernel.binary,
-            kernel.name.encode(),
-            dev.local_hardware_id or 0,
-            kernel.shared_bytes,
-            err,
-            len(err),
-        )
-        if rc:
-            raise RuntimeError(err.value.decode())
+    cubin.load_on_devices(_lib().djax_tma_load_cubin, kernel)
 
 
 def launch(kernel: TmaKernel, args: list, out_types):

@@ -417,7 +417,13 @@ def ascend_source(m: int, n: int, k: int) -> str:
 def lower_cuda(m: int, n: int, k: int, tiling: Tiling | None = None) -> tuple[str, dict]:
     """CUDA source and launch parameters (grid, threads, shared_bytes, params, name). No GPU needed."""
     tiling = tiling or default_tiling(m, n, k)
-    art = _lower(cuda_program(m, n, k, tiling), {"kind": "cuda", "arch": _ARCH})
+    return pointer_kernel(_lower(cuda_program(m, n, k, tiling), {"kind": "cuda", "arch": _ARCH}), _PARAMS)
+
+
+def pointer_kernel(art, want_params: tuple[str, ...]) -> tuple[str, dict]:
+    """The CUDA source and launch description (name, grid, threads, shared_bytes, params) of a lowered TileLang
+    program for the pointer-only launcher: one kernel, 1-D blocks, exactly `want_params` (device pointers in
+    the launcher's order). Raises NotImplementedError for anything else."""
     (gvar, fn), *rest = art.device_mod.functions.items()
     if rest:
         raise NotImplementedError("TileLang split the program into several kernels")
@@ -425,8 +431,8 @@ def lower_cuda(m: int, n: int, k: int, tiling: Tiling | None = None) -> tuple[st
     if ext.get("threadIdx.y", 1) != 1 or ext.get("threadIdx.z", 1) != 1:
         raise NotImplementedError(f"the FFI launcher takes 1-D blocks, got {ext}")
     params = tuple(p.name for p in fn.params)
-    if params != _PARAMS:  # a scalar or descriptor parameter would break the pointer-only launch ABI
-        raise NotImplementedError(f"unexpected kernel parameters {params}")
+    if params != want_params:  # a scalar, descriptor or reordered parameter would break the pointer-only ABI
+        raise NotImplementedError(f"unexpected kernel parameters {params}, want {want_params}")
     launch = dict(
         name=gvar.name_hint,
         grid=(ext.get("blockIdx.x", 1), ext.get("blockIdx.y", 1), ext.get("blockIdx.z", 1)),

@@ -26,7 +26,7 @@ from dataclasses import dataclass
 import jax
 import jax.numpy as jnp
 
-from djax.kernels.fp8_gemm_tilelang import _lower, nvcc_cubin
+from djax.kernels.fp8_gemm_tilelang import _lower, nvcc_cubin, pointer_kernel
 
 HEADS = 64  # wgmma M: one CTA takes 64 heads of one row
 _ARCH = "sm_90a"
@@ -251,24 +251,7 @@ def lower_cuda(
 ) -> tuple[str, dict]:
     """CUDA source and launch parameters (name, grid, threads, shared_bytes, params). No GPU needed."""
     art = _lower(cuda_program(b, h, k, w, c, t, scale, tiling), {"kind": "cuda", "arch": _ARCH})
-    (gvar, fn), *rest = art.device_mod.functions.items()
-    if rest:
-        raise NotImplementedError("TileLang split the program into several kernels")
-    ext = {str(a): int(v) for a, v in fn.attrs["thread_extent"].items()}
-    if ext.get("threadIdx.y", 1) != 1 or ext.get("threadIdx.z", 1) != 1:
-        raise NotImplementedError(f"the FFI launcher takes 1-D blocks, got {ext}")
-    params = tuple(p.name for p in fn.params)
-    want = _OPERANDS + _RESULTS[1 if tiling.nsplit == 1 else 2]
-    if params != want:  # a scalar, descriptor or reordered parameter would break the pointer-only launch ABI
-        raise NotImplementedError(f"unexpected kernel parameters {params}, want {want}")
-    launch = dict(
-        name=gvar.name_hint,
-        grid=(ext.get("blockIdx.x", 1), ext.get("blockIdx.y", 1), ext.get("blockIdx.z", 1)),
-        threads=ext["threadIdx.x"],
-        shared_bytes=int(fn.attrs.get("dyn_shared_memory_buf", 0)),
-        params=params,
-    )
-    return art.kernel_source, launch
+    return pointer_kernel(art, _OPERANDS + _RESULTS[1 if tiling.nsplit == 1 else 2])
 
 
 @functools.cache

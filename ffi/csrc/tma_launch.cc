@@ -14,78 +14,22 @@
 //               interleave, swizzle, l2_promotion, oob_fill
 // `buffer` indexes the operands followed by the results. dims / box / element strides are innermost first;
 // strides are in bytes with strides[0] the element size (cuTensorMapEncodeTiled takes strides[1:]).
-#include <cuda.h>
-#include <dlfcn.h>
-
 #include <cstdint>
 #include <cstdio>
-#include <map>
-#include <mutex>
 #include <string>
-#include <utility>
 
+#include "cuda_driver.h"
 #include "xla/ffi/api/ffi.h"
 
 namespace ffi = xla::ffi;
+using djax_cuda::Cuda;
+using djax_cuda::Describe;
 
 namespace {
 constexpr int kMaxParams = 16;
 constexpr int kMaxMaps = 8;
 
-// The driver is opened at run time, so the library builds where only CUDA's headers exist (no libcuda stub).
-struct Driver {
-  decltype(&::cuInit) init;
-  decltype(&::cuDeviceGet) device_get;
-  decltype(&::cuDevicePrimaryCtxRetain) retain;
-  decltype(&::cuCtxPushCurrent) push;
-  decltype(&::cuCtxPopCurrent) pop;
-  decltype(&::cuCtxGetDevice) ctx_device;
-  decltype(&::cuModuleLoadData) load;
-  decltype(&::cuModuleGetFunction) get_function;
-  decltype(&::cuFuncSetAttribute) set_attribute;
-  decltype(&::cuLaunchKernel) launch;
-  decltype(&::cuTensorMapEncodeTiled) encode_tiled;
-  decltype(&::cuGetErrorString) error_string;
-  bool ok = false;
-};
-
-template <typename F>
-void Sym(void* lib, const char* name, F* out) {
-  *out = reinterpret_cast<F>(dlsym(lib, name));
-}
-
-const Driver& Cuda() {
-  static const Driver d = [] {
-    Driver d{};
-    void* lib = dlopen("libcuda.so.1", RTLD_NOW | RTLD_LOCAL);
-    if (!lib) return d;
-    Sym(lib, "cuInit", &d.init);
-    Sym(lib, "cuDeviceGet", &d.device_get);
-    Sym(lib, "cuDevicePrimaryCtxRetain", &d.retain);
-    Sym(lib, "cuCtxPushCurrent_v2", &d.push);
-    Sym(lib, "cuCtxPopCurrent_v2", &d.pop);
-    Sym(lib, "cuCtxGetDevice", &d.ctx_device);
-    Sym(lib, "cuModuleLoadData", &d.load);
-    Sym(lib, "cuModuleGetFunction", &d.get_function);
-    Sym(lib, "cuFuncSetAttribute", &d.set_attribute);
-    Sym(lib, "cuLaunchKernel", &d.launch);
-    Sym(lib, "cuTensorMapEncodeTiled", &d.encode_tiled);
-    Sym(lib, "cuGetErrorString", &d.error_string);
-    d.ok = d.init && d.device_get && d.retain && d.push && d.pop && d.ctx_device && d.load && d.get_function &&
-           d.set_attribute && d.launch && d.encode_tiled && d.error_string;
-    return d;
-  }();
-  return d;
-}
-
-std::mutex g_mu;
-std::map<std::pair<std::string, int>, CUfunction> g_functions;  // (key, device ordinal) -> function
-
-std::string Describe(CUresult r) {
-  const char* s = nullptr;
-  if (Cuda().error_string) Cuda().error_string(r, &s);
-  return s ? s : "unknown CUDA error";
-}
+bool HaveTma() { return Cuda().ok && Cuda().encode_tiled; }
 
 int64_t ElementBytes(int64_t dtype) {
   switch (dtype) {
@@ -170,38 +114,11 @@ int EncodeTiled(const int64_t* w, size_t left, const Buffer* bufs, size_t nbufs,
 // into err (errlen bytes) and returns the CUresult.
 extern "C" int djax_tma_load_cubin(const char* key, const void* cubin, const char* name, int device,
                                    int shared_bytes, char* err, int errlen) {
-  {
-    std::lock_guard<std::mutex> lock(g_mu);
-    if (g_functions.count({key, device})) return 0;
-  }
-  const Driver& cu = Cuda();
-  if (!cu.ok) {
+  if (!HaveTma()) {
     std::snprintf(err, errlen, "djax_tma_load_cubin: cannot open libcuda.so.1 (or it lacks cuTensorMapEncodeTiled)");
     return -1;
   }
-  CUresult r = cu.init(0);
-  CUdevice dev;
-  CUcontext ctx = nullptr;
-  CUmodule mod;
-  CUfunction fn;
-  if (r == CUDA_SUCCESS) r = cu.device_get(&dev, device);
-  if (r == CUDA_SUCCESS) r = cu.retain(&ctx, dev);
-  if (r == CUDA_SUCCESS) r = cu.push(ctx);
-  if (r == CUDA_SUCCESS) {
-    r = cu.load(&mod, cubin);
-    if (r == CUDA_SUCCESS) r = cu.get_function(&fn, mod, name);
-    if (r == CUDA_SUCCESS && shared_bytes > 48 * 1024)
-      r = cu.set_attribute(fn, CU_FUNC_ATTRIBUTE_MAX_DYNAMIC_SHARED_SIZE_BYTES, shared_bytes);
-    CUcontext popped;
-    cu.pop(&popped);
-  }
-  if (r != CUDA_SUCCESS) {
-    std::snprintf(err, errlen, "djax_tma_load_cubin(%s on device %d): %s", name, device, Describe(r).c_str());
-    return static_cast<int>(r);
-  }
-  std::lock_guard<std::mutex> lock(g_mu);
-  g_functions[{key, device}] = fn;
-  return 0;
+  return djax_cuda::LoadCubin("djax_tma_load_cubin", key, cubin, name, device, shared_bytes, err, errlen);
 }
 
 // Host-only self-check, no GPU or driver needed: parses `plan` over fake 16-byte aligned addresses and the
@@ -237,16 +154,9 @@ extern "C" int djax_tma_check_plan(const int64_t* plan, int64_t plan_len, const 
 static ffi::Error Launch(CUstream stream, ffi::RemainingArgs args, ffi::RemainingRets rets, std::string_view key,
                          int64_t grid_x, int64_t grid_y, int64_t grid_z, int64_t threads, int64_t shared_bytes,
                          ffi::Span<const int64_t> plan) {
-  if (!Cuda().ok) return ffi::Error::Internal("cannot open libcuda.so.1 (or it lacks cuTensorMapEncodeTiled)");
-  CUdevice dev;
-  if (CUresult r = Cuda().ctx_device(&dev); r != CUDA_SUCCESS) return ffi::Error::Internal(Describe(r));
+  if (!HaveTma()) return ffi::Error::Internal("cannot open libcuda.so.1 (or it lacks cuTensorMapEncodeTiled)");
   CUfunction fn;
-  {
-    std::lock_guard<std::mutex> lock(g_mu);
-    auto it = g_functions.find({std::string(key), static_cast<int>(dev)});
-    if (it == g_functions.end()) return ffi::Error::Internal("cubin not loaded on this device: " + std::string(key));
-    fn = it->second;
-  }
+  if (std::string msg; !djax_cuda::FindFunction(key, &fn, &msg)) return ffi::Error::Internal(msg);
   size_t nbufs = args.size() + rets.size();
   if (nbufs > kMaxParams) return ffi::Error::InvalidArgument("too many buffers");
   Buffer bufs[kMaxParams];
