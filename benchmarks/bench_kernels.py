@@ -13,7 +13,6 @@ from __future__ import annotations
 
 import argparse
 import datetime
-import gzip
 import json
 import os
 import tempfile
@@ -25,6 +24,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 from bench_moe import fp8_cases, moe_cases, rel_err  # noqa: E402 (the script's directory is on sys.path)
+from profile_decode import kernel_table  # noqa: E402
 
 from djax.kernels.indexer import index_scores, indexer_topk
 from djax.kernels.sparse_attn import sparse_decode
@@ -61,34 +61,8 @@ def bench(fn, sets, reps: int = 7, trace: bool = False):
     with tempfile.TemporaryDirectory() as tmp:
         with jax.profiler.trace(tmp, create_perfetto_trace=True):
             jax.block_until_ready(many(sets))
-        busy_us = stream_busy_us(Path(tmp))
+        _, busy_us = kernel_table(Path(tmp))  # GPU stream threads only
     return wall, (busy_us * 1e-6 / len(sets)) if busy_us else None
-
-
-def stream_busy_us(trace_dir: Path) -> float:
-    """Microseconds of device work in a profiler trace: the events on the GPU's stream threads only (the
-    trace's "XLA Ops" and "XLA Modules" threads span the same kernels again)."""
-    path = next(trace_dir.rglob("*.trace.json.gz"))
-    events = json.load(gzip.open(path))["traceEvents"]
-    names = {
-        (e["pid"], e["tid"]): e["args"]["name"]
-        for e in events
-        if e.get("ph") == "M" and e.get("name") == "thread_name"
-    }
-    gpu = {
-        e["pid"]
-        for e in events
-        if e.get("ph") == "M"
-        and e.get("name") == "process_name"
-        and "/device:gpu" in e["args"]["name"].lower()
-    }
-    return sum(
-        e.get("dur", 0.0)
-        for e in events
-        if e.get("ph") == "X"
-        and e["pid"] in gpu
-        and names.get((e["pid"], e.get("tid")), "").lower().startswith("stream")
-    )
 
 
 def measure_ceilings():

@@ -30,16 +30,30 @@ import djax  # noqa: E402
 
 
 def kernel_table(trace_dir: Path) -> tuple[list[dict], float]:
-    """Sum the trace's complete events per name over device threads (all events if no device track)."""
+    """Sum the trace's complete events per name over device threads (all events if no device track).
+
+    On a GPU only the stream threads count: the trace's "XLA Ops" and "XLA Modules" threads span the same
+    kernels again, so summing every device thread would count each kernel two or three times.
+    """
     path = next(trace_dir.rglob("*.trace.json.gz"))
     events = json.load(gzip.open(path))["traceEvents"]
     procs = {
         e["pid"]: e["args"]["name"] for e in events if e.get("ph") == "M" and e.get("name") == "process_name"
     }
     dev_pids = {p for p, n in procs.items() if "/device:" in n.lower() or "gpu" in n.lower()}
+    streams = {
+        (e["pid"], e["tid"])
+        for e in events
+        if e.get("ph") == "M"
+        and e.get("name") == "thread_name"
+        and e["pid"] in dev_pids
+        and e["args"]["name"].lower().startswith("stream")
+    }
     tot, cnt = defaultdict(float), defaultdict(int)
     for e in events:
         if e.get("ph") != "X" or (dev_pids and e["pid"] not in dev_pids):
+            continue
+        if streams and (e["pid"], e.get("tid")) not in streams:
             continue
         tot[e["name"]] += e.get("dur", 0.0)
         cnt[e["name"]] += 1

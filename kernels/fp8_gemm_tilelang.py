@@ -424,23 +424,31 @@ def pointer_kernel(art, want_params: tuple[str, ...]) -> tuple[str, dict]:
     """The CUDA source and launch description (name, grid, threads, shared_bytes, params) of a lowered TileLang
     program for the pointer-only launcher: one kernel, 1-D blocks, exactly `want_params` (device pointers in
     the launcher's order). Raises NotImplementedError for anything else."""
+    fn, launch = _one_kernel(art)
+    params = tuple(p.name for p in fn.params)
+    if params != want_params:  # a scalar, descriptor or reordered parameter would break the pointer-only ABI
+        raise NotImplementedError(f"unexpected kernel parameters {params}, want {want_params}")
+    return art.kernel_source, {**launch, "params": params}
+
+
+def _one_kernel(art) -> tuple[object, dict]:
+    """The lowered program's one device function and its launch shape (name, grid, threads, shared_bytes), as
+    the FFI launchers take it: 1-D blocks, no clusters. Raises NotImplementedError for anything else."""
     (gvar, fn), *rest = art.device_mod.functions.items()
     if rest:
         raise NotImplementedError("TileLang split the program into several kernels")
     ext = {str(t): int(v) for t, v in fn.attrs["thread_extent"].items()}
     if ext.get("threadIdx.y", 1) != 1 or ext.get("threadIdx.z", 1) != 1:
         raise NotImplementedError(f"the FFI launcher takes 1-D blocks, got {ext}")
-    params = tuple(p.name for p in fn.params)
-    if params != want_params:  # a scalar, descriptor or reordered parameter would break the pointer-only ABI
-        raise NotImplementedError(f"unexpected kernel parameters {params}, want {want_params}")
+    if "cluster_dims" in fn.attrs:
+        raise NotImplementedError("thread block clusters are not launched by the FFI handlers")
     launch = dict(
         name=gvar.name_hint,
         grid=(ext.get("blockIdx.x", 1), ext.get("blockIdx.y", 1), ext.get("blockIdx.z", 1)),
         threads=ext["threadIdx.x"],
         shared_bytes=int(fn.attrs.get("dyn_shared_memory_buf", 0)),
-        params=params,
     )
-    return art.kernel_source, launch
+    return fn, launch
 
 
 def lower_ws(m: int, n: int, k: int, tiling: WsTiling | None = None) -> tuple[str, dict]:
@@ -451,23 +459,9 @@ def lower_ws(m: int, n: int, k: int, tiling: WsTiling | None = None) -> tuple[st
 
     tiling = tiling or default_ws_tiling(m, n, k)
     art = _lower(ws_program(m, n, k, tiling), {"kind": "cuda", "arch": _ARCH}, _WS_PASS_CONFIG)
-    (gvar, fn), *rest = art.device_mod.functions.items()
-    if rest:
-        raise NotImplementedError("TileLang split the program into several kernels")
+    fn, launch = _one_kernel(art)
     (host_fn,) = art.host_mod.functions.values()
-    ext = {str(t): int(v) for t, v in fn.attrs["thread_extent"].items()}
-    if ext.get("threadIdx.y", 1) != 1 or ext.get("threadIdx.z", 1) != 1:
-        raise NotImplementedError(f"the FFI launcher takes 1-D blocks, got {ext}")
-    if "cluster_dims" in fn.attrs:
-        raise NotImplementedError("thread block clusters are not launched by the FFI handler")
-    launch = dict(
-        name=gvar.name_hint,
-        grid=(ext.get("blockIdx.x", 1), ext.get("blockIdx.y", 1), ext.get("blockIdx.z", 1)),
-        threads=ext["threadIdx.x"],
-        shared_bytes=int(fn.attrs.get("dyn_shared_memory_buf", 0)),
-        params=params_from_tilelang(fn, host_fn, _PARAMS),
-    )
-    return art.kernel_source, launch
+    return art.kernel_source, {**launch, "params": params_from_tilelang(fn, host_fn, _PARAMS)}
 
 
 def _nvcc() -> str:

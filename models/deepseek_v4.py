@@ -362,7 +362,9 @@ def _pow2(n: int) -> bool:
 
 
 def _decode_impl(c: int, dtype, triton_shapes: bool, kernels: str) -> str | None:
-    """The djax.kernels impl for a chunk of c tokens under `kernels`, or None for the jnp path."""
+    """The djax.kernels impl for a chunk of c tokens under `kernels`, or None for the jnp path. On the fast
+    path it is "auto": each op picks its kernel for the shapes it gets (TileLang or Triton attention,
+    `lax.top_k` for a few rows)."""
     if kernels not in KERNEL_CHOICES:
         raise ValueError(f"kernels must be one of {KERNEL_CHOICES}, got {kernels!r}")
     if c != 1 or kernels == "off":
@@ -370,7 +372,7 @@ def _decode_impl(c: int, dtype, triton_shapes: bool, kernels: str) -> str | None
     if kernels == "ref":
         return "ref"
     fast = kdispatch.on_cuda() and kdispatch.has_triton() and jnp.dtype(dtype) == jnp.bfloat16
-    return "triton" if fast and triton_shapes else None
+    return "auto" if fast and triton_shapes else None
 
 
 def _index_impl(c: int, q: jax.Array, kernels: str) -> str | None:
@@ -390,7 +392,6 @@ def _visible_scores(iq, ipool, iw, pos, ratio: int, cfg: ModelConfig, impl: str 
 
 def _topk_picks(scores: jax.Array, k: int, impl: str) -> tuple[jax.Array, jax.Array]:
     """`select_entries` for one query (scores f32[b, 1, C]) through the top-k kernel: (top, eligible)."""
-    impl = "auto" if impl == "triton" else impl  # the op picks lax.top_k for few rows itself
     _, idx = kpartition.topk(impl)(scores[:, 0], min(k, scores.shape[-1]))
     return jnp.maximum(idx, 0)[:, None], (idx >= 0)[:, None]
 
@@ -596,7 +597,6 @@ def _sparse_decode(q, keys, win_mask, comp, sinks, scale: float, impl: str) -> j
     else:
         pool, top, ok = comp
         picks = jnp.where(ok[:, 0], top[:, 0], -1)
-    impl = "auto" if impl == "triton" else impl  # on CUDA the op picks TileLang where it applies, else Triton
     o = kpartition.sparse_decode(impl)(
         q[:, 0], keys, win_mask[:, 0], pool, picks.astype(jnp.int32), sinks, scale
     )
