@@ -1,6 +1,6 @@
 """Times each djax kernel against XLA's lowering of its jnp reference: time, TFLOP/s, GB/s, roofline ratio.
 
-python benchmarks/bench_kernels.py [--out DIR] [--small] [--only attn,index,moe,fp8]
+python benchmarks/bench_kernels.py [--out DIR] [--small] [--only attn,index,topk,moe,fp8]
 (on a CUDA GPU; writes kernels_<device>.json and .png; the MoE and FP8 cases are in bench_moe.py)
 
 Each fast output is checked against the reference first (rel_err). Times are device time per call (the
@@ -28,15 +28,16 @@ from profile_decode import kernel_table  # noqa: E402
 
 from djax.kernels.indexer import index_scores, indexer_topk
 from djax.kernels.sparse_attn import sparse_decode
-from djax.kernels.topk import topk
+from djax.kernels.topk import chunk_size, topk
 
 BF16 = jnp.bfloat16
 COPY_BW = 4.3e12  # measured device copy bandwidth on the lent H200 (bytes read + written per second)
 BF16_RATE = 790e12  # measured dense bf16 matmul rate on the lent H200
 FP8_PEAK = 1979e12  # H200 spec sheet, dense fp8: the ceiling for the fp8 kernels' FLOPs
 # TileLang sparse decode tilings (block_s, stages, warps, splits per row) worth timing at batch 64 and 8
-TILELANG_B64 = [(64, 2, 8, 2), (64, 2, 8, 3), (32, 4, 8, 2), (64, 2, 16, 2)]
-TILELANG_B8 = [(64, 2, 8, 10), (64, 2, 8, 5), (64, 2, 16, 5)]
+# (12 warps: the warp-specialised program)
+TILELANG_B64 = [(64, 2, 8, 2), (64, 2, 12, 1), (64, 2, 12, 2), (32, 4, 12, 1), (32, 4, 12, 2), (32, 3, 12, 2)]
+TILELANG_B8 = [(64, 2, 8, 10), (64, 2, 12, 10), (64, 2, 12, 5), (32, 4, 12, 10), (32, 4, 12, 20)]
 
 
 def bench(fn, sets, reps: int = 7, trace: bool = False):
@@ -57,12 +58,14 @@ def bench(fn, sets, reps: int = 7, trace: bool = False):
     if not trace:
         return wall
     if jax.default_backend() != "gpu":
-        return wall, None
+        return wall, None, {}
     with tempfile.TemporaryDirectory() as tmp:
         with jax.profiler.trace(tmp, create_perfetto_trace=True):
             jax.block_until_ready(many(sets))
-        _, busy_us = kernel_table(Path(tmp))  # GPU stream threads only
-    return wall, (busy_us * 1e-6 / len(sets)) if busy_us else None
+        table, busy_us = kernel_table(Path(tmp))  # GPU stream threads only
+    # the largest kernels per call: where a variant's time goes (the kernel itself vs a split merge)
+    kernels = {r["name"][:80]: round(r["us"] / len(sets), 2) for r in table[:4]}
+    return wall, (busy_us * 1e-6 / len(sets)) if busy_us else None, kernels
 
 
 def measure_ceilings():
@@ -107,7 +110,63 @@ def attn_sets(n_sets, b, h, k, w, c, t, seed=0):
     return sets
 
 
-def run(out_dir: str, small: bool = False, only: tuple[str, ...] = ("attn", "index", "moe", "fp8")):
+def attn_ceilings(record, sets, scale, flops, nbytes, shape, ref_time, check):
+    """What bounds the sparse decode: XLA reading the same gathered rows (take + sum: the gather alone, no
+    attention), and the warp-specialised kernel on picks in index order (sorted, and all-contiguous rows)
+    to separate the random-row access pattern from the kernel."""
+    f32 = jnp.float32
+
+    def gather_only(q, win, valid, pool, top, sinks):
+        rows = jnp.take_along_axis(pool, jnp.clip(top, 0, pool.shape[1] - 1)[..., None], axis=1)
+        return rows.astype(f32).sum(1) + win.astype(f32).sum(1)
+
+    record(
+        "sparse_decode",
+        shape,
+        "ceiling: XLA gather of the same rows (no attention)",
+        gather_only,
+        sets,
+        0,
+        nbytes,
+        ref_time,
+    )
+    ws = dict(scale=scale, impl="tilelang", block_s=64, num_stages=2, num_warps=12)
+    for ns in (1, 2):
+        record(
+            "sparse_decode",
+            shape,
+            f"tilelang bs64 st2 w12 split{ns}, picks sorted per row",
+            lambda q, win, valid, pool, top, sinks, ns=ns: sparse_decode(
+                q, win, valid, pool, jnp.sort(top, axis=1), sinks, nsplit=ns, **ws
+            ),
+            sets,
+            flops,
+            nbytes,
+            ref_time,
+            check,
+        )
+    contiguous = [
+        (*s[:4], jnp.broadcast_to(jnp.arange(s[4].shape[1], dtype=jnp.int32), s[4].shape), s[5]) for s in sets
+    ]
+    record(
+        "sparse_decode",
+        shape,
+        "tilelang bs64 st2 w12 split1, picks = rows 0..T-1 (contiguous)",
+        lambda *a: sparse_decode(*a, nsplit=1, **ws),
+        contiguous,
+        flops,
+        nbytes,
+        ref_time,
+        (lambda *a: sparse_decode(*a, scale=scale, impl="ref"), lambda out: out),
+    )
+
+
+def run(
+    out_dir: str,
+    small: bool = False,
+    only: tuple[str, ...] = ("attn", "index", "topk", "moe", "fp8"),
+    attn_batches: tuple[int, ...] = (64, 8),
+):
     dev = jax.devices()[0]
     rows, errors = [], []
     bw, rate = measure_ceilings() if not small else (COPY_BW, BF16_RATE)
@@ -122,7 +181,7 @@ def run(out_dir: str, small: bool = False, only: tuple[str, ...] = ("attn", "ind
         try:
             if check is not None:
                 err = rel_err(fn, *check, sets[0])
-            wall, dev = bench(fn, sets, trace=True)
+            wall, dev, kernels = bench(fn, sets, trace=True)
             t = dev or wall
         except Exception as e:  # noqa: BLE001 - keep timing the other variants
             errors.append(dict(kernel=kernel, shape=shape, variant=variant, error=repr(e)[:2000]))
@@ -144,8 +203,10 @@ def run(out_dir: str, small: bool = False, only: tuple[str, ...] = ("attn", "ind
             vs_peak=flops / t / peak,
             vs_measured_copy=nbytes / t / bw,
             rel_err=err,
+            kernels_us=kernels,
         )
         rows.append(row)
+        save()  # after every row: a run stopped by a time limit keeps what it measured
         return t
 
     os.makedirs(out_dir, exist_ok=True)
@@ -174,7 +235,7 @@ def run(out_dir: str, small: bool = False, only: tuple[str, ...] = ("attn", "ind
         # (a) sparse decode attention: b=64, 64 heads x 512, SWA 128 + top-512 of an 8k context (ratio 4 -> 2048)
         h, k, w, c, t = (64, 512, 128, 2048, 512) if not small else (16, 64, 16, 64, 32)
         scale = k**-0.5
-        for b in (64, 8):
+        for b in attn_batches:
             sets = attn_sets(24 if b == 64 else 32, b, h, k, w, c, t)
             flops = 4 * b * h * (w + t) * k
             nbytes = 2 * b * (w + t) * k + 2 * 2 * b * h * k + 4 * b * (w + t)
@@ -229,6 +290,20 @@ def run(out_dir: str, small: bool = False, only: tuple[str, ...] = ("attn", "ind
                     tr,
                     check,
                 )
+
+            record(
+                "sparse_decode",
+                shape,
+                "auto (the default tiling)",
+                lambda *a: sparse_decode(*a, scale=scale),
+                sets,
+                flops,
+                nbytes,
+                tr,
+                check,
+            )
+            if b == 64 and not small:
+                attn_ceilings(record, sets, scale, flops, nbytes, shape, tr, check)
 
     if "index" in only:
         save()
@@ -291,29 +366,50 @@ def run(out_dir: str, small: bool = False, only: tuple[str, ...] = ("attn", "ind
                 nbytes,
                 tr,
             )
+
+    if "topk" in only:
+        save()
+        rng = np.random.default_rng(2)
+        # (b, s, k, first-stage chunk sizes of the two-stage kernel around the rule's, `topk.chunk_size`). Few
+        # long rows are where one program per row leaves the GPU idle; "auto" is what callers get.
         sizes = (
-            [(64, 2048, 512), (4, 262144, 512), (64, 129280, 50), (1, 262144, 512)]
+            [
+                (64, 2048, 512, []),
+                (64, 129280, 50, [65536, 16384]),
+                (1, 262144, 512, [2048, 4096, 8192]),
+                (4, 262144, 512, [4096, 8192, 16384]),
+                (8, 262144, 512, [8192, 16384, 32768]),
+                (1, 129280, 50, [1024, 2048, 4096]),
+            ]
             if not small
-            else [(2, 3000, 64)]
+            else [(2, 3000, 64, [1024])]
         )
-        for b, s, k in sizes:
+        for b, s, k, chunks in sizes:
             sets = [(jnp.asarray(rng.standard_normal((b, s)), jnp.float32),) for _ in range(16)]
             nbytes = 4 * b * s + 8 * b * k
             shape = f"b{b} s{s} k{k}"
+            check = (lambda x, k=k: topk(x, k, impl="ref")[1], lambda out: out[1])  # indices: exact or not
             tr = record(
                 "topk", shape, "xla lax.top_k", lambda x, k=k: topk(x, k, impl="ref"), sets, 0, nbytes
             )
-            for blk, nw in [(2048, 16), (4096, 16)]:
+            variants = [(f"triton 1-stage blk{blk} w16", dict(block=blk, chunk=s)) for blk in (2048, 4096)]
+            variants += [(f"triton chunk{c} blk2048 w16", dict(block=2048, chunk=c)) for c in chunks]
+            rule = chunk_size(b, s, k)
+            if rule < s:  # the merge by lax.top_k instead of the kernel, at the rule's chunk
+                variants.append((f"triton chunk{rule} merge lax", dict(block=2048, chunk=rule, merge="ref")))
+            for name, kw in variants:
                 record(
                     "topk",
                     shape,
-                    f"triton blk{blk} w{nw}",
-                    lambda x, k=k, blk=blk, nw=nw: topk(x, k, impl="triton", block=blk, num_warps=nw),
+                    name,
+                    lambda x, k=k, kw=kw: topk(x, k, impl="triton", num_warps=16, **kw),
                     sets,
                     0,
                     nbytes,
                     tr,
+                    check,
                 )
+            record("topk", shape, "auto", lambda x, k=k: topk(x, k), sets, 0, nbytes, tr, check)
 
     if "moe" in only:
         save()
@@ -364,10 +460,13 @@ if __name__ == "__main__":
     ap = argparse.ArgumentParser()
     ap.add_argument("--out", default=os.environ.get("OUT", "benchmarks/results"))
     ap.add_argument("--small", action="store_true", help="tiny shapes: a smoke run of the script on CPU")
+    ap.add_argument("--attn-batches", default="64,8", help="batch sizes of the attn section")
     ap.add_argument(
         "--only",
-        default="attn,index,moe,fp8",
-        help="comma list of sections: attn (sparse decode attention), index (indexer scores, top-k), moe, fp8",
+        default="attn,index,topk,moe,fp8",
+        help="comma list of sections: attn (sparse decode attention), index (indexer scores + top-k), topk, moe, fp8",
     )
     args = ap.parse_args()
-    run(args.out, args.small, tuple(args.only.split(",")))
+    run(
+        args.out, args.small, tuple(args.only.split(",")), tuple(int(b) for b in args.attn_batches.split(","))
+    )

@@ -13,6 +13,7 @@ import numpy as np
 from djax.kernels.dispatch import resolve
 from djax.kernels.fp8_gemm_ref import fp8_gemm_ref, grouped_contiguous_ref, grouped_masked_ref
 from djax.kernels.fp8_gemm_triton import DEFAULT_CFG as FP8_CFG
+from djax.kernels.fp8_gemm_triton import dense_config, split_k
 from djax.kernels.grouped_gemm_triton import GemmConfig
 
 IMPLS = ("ref", "triton", "tilelang", "interpret")
@@ -35,7 +36,10 @@ def fp8_gemm(
     impl "tilelang": the TileLang kernel (bf16 out, n and k multiples of 128; needs the `tilelang` extra);
     `variant` "pointer" (default: cp.async, launched with raw pointers) or "ws" (TMA + warp specialisation,
     launched with TMA descriptors by djax.ffi.tma), `tiling` a `fp8_gemm_tilelang.Tiling` / `WsTiling`
-    (None: the variant's default for the shape)."""
+    (None: the variant's default for the shape).
+
+    impl "triton" / "interpret": `cfg` a GemmConfig or `fp8_gemm_triton.Fp8Config` (split_k > 1: f32
+    partials over K splits, summed here); None: `fp8_gemm_triton.dense_config(m, n, k)`."""
     impl = resolve(impl, IMPLS)
     if impl == "ref":
         return fp8_gemm_ref(a, a_scale, b, b_scale, out_dtype)
@@ -43,6 +47,7 @@ def fp8_gemm(
         from djax.kernels.fp8_gemm_tilelang import fp8_gemm_tilelang
 
         return fp8_gemm_tilelang(a, a_scale, b, b_scale, out_dtype, tiling=tiling, variant=variant)
+    cfg = cfg or dense_config(a.shape[0], b.shape[0], a.shape[1])
     return _run(impl, "dense", a, a_scale, b[None], b_scale[None], None, out_dtype, cfg)
 
 
@@ -82,26 +87,30 @@ def grouped_masked(
 
 
 def _run(impl, mode, a, a_scale, b, b_scale, groups, out_dtype, cfg):
-    cfg = cfg or FP8_CFG
-    f32 = jnp.float32
-    groups = jnp.zeros((1,), jnp.int32) if groups is None else groups.astype(jnp.int32)
-    out = jax.ShapeDtypeStruct((*a.shape[:-1], b.shape[1]), out_dtype)
-    args = [a, a_scale.astype(f32), b, b_scale.astype(f32), groups]
-    if impl == "interpret":
-        return jax.pure_callback(lambda *h: _host(mode, cfg, out.dtype, *h), out, *args)
-    from djax.ffi import cubin
     from djax.kernels import fp8_gemm_triton as tk
 
+    cfg = cfg or FP8_CFG
+    f32 = jnp.float32
     nb, n, k = b.shape
     mg = a.shape[1] if mode == "masked" else 0
     m = nb * mg if mode == "masked" else a.shape[0]
-    cx = tk.constexprs(m, n, k, mg, mode, cfg)
-    names = ["a_ptr", "as_ptr", "b_ptr", "bs_ptr", "grp_ptr", "c_ptr"]
-    kern = cubin.compile_triton(
-        tk.fp8_gemm_kernel, names, [x.dtype for x in args] + [out_dtype], cx, cfg.num_warps, cfg.num_stages
-    )
-    grid = (-(-m // cfg.block_m) * -(-n // cfg.block_n),)
-    return cubin.launch(kern, grid, args, out)
+    cx = tk.constexprs(m, n, k, mg, mode, cfg)  # checks the config at trace time, before any callback
+    splits = split_k(cfg)
+    out = jax.ShapeDtypeStruct((*a.shape[:-1], n), out_dtype)
+    if splits > 1:  # each split writes an f32 partial, summed and cast after the kernel
+        out = jax.ShapeDtypeStruct((splits, *out.shape), f32)
+    groups = jnp.zeros((1,), jnp.int32) if groups is None else groups.astype(jnp.int32)
+    args = [a, a_scale.astype(f32), b, b_scale.astype(f32), groups]
+    if impl == "interpret":
+        c = jax.pure_callback(lambda *h: _host(mode, cfg, out.dtype, *h), out, *args)
+    else:
+        from djax.ffi import cubin
+
+        names = ["a_ptr", "as_ptr", "b_ptr", "bs_ptr", "grp_ptr", "c_ptr"]
+        dtypes = [x.dtype for x in args] + [out.dtype]
+        kern = cubin.compile_triton(tk.fp8_gemm_kernel, names, dtypes, cx, cfg.num_warps, cfg.num_stages)
+        c = cubin.launch(kern, tk.grid(m, n, cfg), args, out)
+    return c if splits == 1 else c.sum(0).astype(out_dtype)
 
 
 def _host(mode, cfg, out_dtype, a, a_scale, b, b_scale, groups):

@@ -5,9 +5,15 @@ Scales as in fp8_gemm_ref: a_scale f32[rows, ceil(K/128)], b_scale f32[G, ceil(N
 registers (DeepGEMM's promotion: the tensor cores' fp8 accumulator never sums more than 128 products).
 BLOCK_N divides 128 so a tile sees one weight scale per K block. Tiles and skipped rows as in
 grouped_gemm_triton (DENSE: one group, every row live).
+
+Split-K (dense only): program (tile, s) of a 2-D grid sums the s-th run of ceil(KB / SPLIT_K) K blocks and
+writes its f32 partial to c[s]; the caller sums c over its first axis. At decode (m <= 64) the output
+has too few tiles to fill 132 SMs, so the K axis supplies the parallelism.
 """
 
 from __future__ import annotations
+
+from dataclasses import dataclass
 
 import triton
 import triton.language as tl
@@ -15,7 +21,29 @@ import triton.language as tl
 from djax.kernels.grouped_gemm_triton import GemmConfig, _tile
 
 SCALE_BLOCK = 128
-DEFAULT_CFG = GemmConfig(block_m=128, block_n=128, block_k=128, num_warps=8, num_stages=4)
+
+
+@dataclass(frozen=True)
+class Fp8Config(GemmConfig):
+    """GemmConfig plus split_k: the number of programs sharing each output tile's K blocks (dense only)."""
+
+    split_k: int = 1
+
+
+DEFAULT_CFG = Fp8Config(block_m=128, block_n=128, block_k=128, num_warps=8, num_stages=4)
+# m = 64, n = 4096, k = 7168 on the H200 (bench_kernels' fp8 section): 128 x 128 tiles give 32 programs
+# on 132 SMs, 31.9 us; 64 x 64 tiles with K split four ways (256 programs, 14 of the 56 K blocks each)
+# 13.2 us = 56% of copy bandwidth, against 14.6 us split two ways, 21.1 us unsplit and XLA's per-tensor
+# FP8 dot at 14.7 us. BLOCK_M 64 is the smallest wgmma tile (M < 64 falls back to mma.sync).
+DECODE_CFG = Fp8Config(block_m=64, block_n=64, block_k=128, num_warps=4, num_stages=6, split_k=4)
+
+
+def dense_config(m: int, n: int, k: int) -> Fp8Config:
+    """The dense kernel's config when none is given: DECODE_CFG for decode batches (m <= 64), where the
+    weights' bytes set the time and 128 x 128 tiles leave most SMs idle; DEFAULT_CFG (prefill, tensor-core
+    bound) otherwise. Measured at m = 64 and 4096 only: m up to 128 also has fewer 128 x 128 tiles than
+    SMs at n = 4096. n and k are taken so a measured rule can use them."""
+    return DECODE_CFG if m <= 64 else DEFAULT_CFG
 
 
 @triton.jit
@@ -25,7 +53,7 @@ def fp8_gemm_kernel(
     b_ptr,  # fp8[G, N, K]
     bs_ptr,  # f32[G, NB, KB]
     grp_ptr,  # contiguous: int32[M] group per row; masked: int32[G] live rows; dense: unused (any int32)
-    c_ptr,  # [rows, N]
+    c_ptr,  # [rows, N]; SPLIT_K > 1: f32[SPLIT_K, rows, N]
     M: tl.constexpr,
     N: tl.constexpr,
     K: tl.constexpr,
@@ -34,6 +62,7 @@ def fp8_gemm_kernel(
     MASKED: tl.constexpr,
     BLOCK_M: tl.constexpr,
     BLOCK_N: tl.constexpr,
+    SPLIT_K: tl.constexpr,
 ):
     BK: tl.constexpr = 128
     KB: tl.constexpr = (K + BK - 1) // BK
@@ -51,20 +80,27 @@ def fp8_gemm_kernel(
         g, src, dst, live = _tile(grp_ptr, grp_ptr, pid_m, M, MG, BLOCK_M, MASKED, False)
         if g < 0:
             return
+    # split s takes K blocks [s * KBS, (s + 1) * KBS): a constant trip count keeps the loop pipelined (and
+    # runs in Triton's interpreter); the last split's blocks past KB load nothing (it may have none)
+    KBS: tl.constexpr = (KB + SPLIT_K - 1) // SPLIT_K
+    pid_k = tl.program_id(1)
+    kb0 = pid_k * KBS
+    c_ptr += pid_k.to(tl.int64) * M * N
     rn = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
     n_ok = rn < N
     rk = tl.arange(0, BK)
-    a_ptrs = a_ptr + src[:, None] * K + rk[None, :]
-    b_ptrs = b_ptr + (g.to(tl.int64) * N + rn[:, None]) * K + rk[None, :]
+    a_ptrs = a_ptr + src[:, None] * K + kb0 * BK + rk[None, :]
+    b_ptrs = b_ptr + (g.to(tl.int64) * N + rn[:, None]) * K + kb0 * BK + rk[None, :]
     as_ptrs = as_ptr + src * KB
     bs_ptrs = bs_ptr + (g.to(tl.int64) * NB + (pid_n * BLOCK_N) // BK) * KB
     acc = tl.zeros([BLOCK_M, BLOCK_N], tl.float32)
-    for kb in range(0, KB):
-        k_ok = kb * BK + rk < K
+    for i in range(0, KBS):
+        kb = kb0 + i
+        k_ok = kb * BK + rk < K  # false for the whole block when kb >= KB
         a = tl.load(a_ptrs, mask=live[:, None] & k_ok[None, :], other=0.0)
         b = tl.load(b_ptrs, mask=n_ok[:, None] & k_ok[None, :], other=0.0)
-        sa = tl.load(as_ptrs + kb, mask=live, other=0.0)
-        sb = tl.load(bs_ptrs + kb)
+        sa = tl.load(as_ptrs + kb, mask=live & (kb < KB), other=0.0)
+        sb = tl.load(bs_ptrs + kb, mask=kb < KB, other=0.0)
         part = tl.dot(a, tl.trans(b))
         acc += part * (sa * sb)[:, None]
         a_ptrs += BK
@@ -76,6 +112,16 @@ def fp8_gemm_kernel(
     )
 
 
+def split_k(cfg: GemmConfig) -> int:
+    """cfg.split_k for an Fp8Config, 1 for a plain GemmConfig."""
+    return getattr(cfg, "split_k", 1)
+
+
+def grid(m: int, n: int, cfg: GemmConfig) -> tuple[int, int]:
+    """(output tiles, K splits)."""
+    return triton.cdiv(m, cfg.block_m) * triton.cdiv(n, cfg.block_n), split_k(cfg)
+
+
 def constexprs(m: int, n: int, k: int, mg: int, mode: str, cfg: GemmConfig) -> dict:
     """mode: "dense" | "contiguous" | "masked". m: output rows (masked: groups * mg)."""
     if SCALE_BLOCK % cfg.block_n:
@@ -84,6 +130,10 @@ def constexprs(m: int, n: int, k: int, mg: int, mode: str, cfg: GemmConfig) -> d
         raise ValueError(f"masked rows per group {mg} must be a multiple of BLOCK_M {cfg.block_m}")
     if mode == "contiguous" and m % cfg.block_m:
         raise ValueError(f"contiguous rows {m} must be a multiple of BLOCK_M {cfg.block_m}")
+    if split_k(cfg) < 1:
+        raise ValueError(f"split_k {split_k(cfg)} must be >= 1")
+    if split_k(cfg) > 1 and mode != "dense":
+        raise ValueError(f"split_k {split_k(cfg)}: split-K is implemented for dense only, not {mode}")
     return dict(
         M=m,
         N=n,
@@ -93,13 +143,15 @@ def constexprs(m: int, n: int, k: int, mg: int, mode: str, cfg: GemmConfig) -> d
         MASKED=mode == "masked",
         BLOCK_M=cfg.block_m,
         BLOCK_N=cfg.block_n,
+        SPLIT_K=split_k(cfg),
     )
 
 
 def launch_torch(a, a_scale, b, b_scale, groups=None, mode: str = "dense", cfg=DEFAULT_CFG):
     """Runs the kernel on torch tensors (GPU, or CPU under TRITON_INTERPRET=1 with float32 stand-ins for
     fp8). dense: a [m, K], b [N, K]; contiguous: a [m, K], b [G, N, K], groups int32[m]; masked:
-    a [G, MG, K], groups int32[G]. Unwritten rows come back as nan."""
+    a [G, MG, K], groups int32[G]. Unwritten rows come back as nan. split_k(cfg) > 1: returns the f32
+    partials [split_k, m, N], to be summed over the first axis."""
     import torch
 
     if mode == "dense":
@@ -109,10 +161,12 @@ def launch_torch(a, a_scale, b, b_scale, groups=None, mode: str = "dense", cfg=D
     m = nb * mg if mode == "masked" else a.shape[0]
     cx = constexprs(m, n, k, mg, mode, cfg)
     out_dtype = torch.bfloat16 if a.dtype != torch.float32 else torch.float32
-    c = torch.full((*a.shape[:-1], n), float("nan"), dtype=out_dtype, device=a.device)
+    shape = (*a.shape[:-1], n)
+    if split_k(cfg) > 1:
+        out_dtype, shape = torch.float32, (split_k(cfg), *shape)
+    c = torch.full(shape, float("nan"), dtype=out_dtype, device=a.device)
     g = groups.to(torch.int32) if groups is not None else torch.zeros(1, dtype=torch.int32, device=a.device)
-    grid = (triton.cdiv(m, cfg.block_m) * triton.cdiv(n, cfg.block_n),)
-    fp8_gemm_kernel[grid](
+    fp8_gemm_kernel[grid(m, n, cfg)](
         a.contiguous(),
         a_scale.float().contiguous(),
         b.contiguous(),

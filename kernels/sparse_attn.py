@@ -34,7 +34,8 @@ def sparse_decode(
     impl="auto" on CUDA takes TileLang with its measured default tiling where the kernel applies and
     TileLang is installed, else Triton with the arguments given.
     impl="tilelang" (sm_90a; q bf16, h a multiple of 64): one CTA per (row, 64 heads, split) with
-    `num_warps` * 32 threads (8 or 16 warps), `block_s` keys per step (16/32/64/128) and `num_stages`
+    `num_warps` * 32 threads (8 or 16 warps; 12 runs the warp-specialised program, block_s 32 or 64),
+    `block_s` keys per step (16/32/64/128) and `num_stages`
     shared key buffers (below 2 is read as 2); `block_h` is ignored. Unsupported shapes raise ValueError.
     """
     if impl == "auto" and q.dtype == jnp.bfloat16 and on_cuda() and has_tilelang():

@@ -1,5 +1,6 @@
 """Triton radix select: the k-th largest key by four 8-bit histogram passes, one collecting pass in index
-order (so ties go to the lower index), then a sort of the k picks; one program per row."""
+order (so ties go to the lower index), then a sort of the k picks; one program per row, or per chunk of a
+row (the first stage of a chunked top-k, see kernels/topk.py)."""
 
 from __future__ import annotations
 
@@ -21,11 +22,8 @@ def _floats(key):
 
 
 @triton.jit
-def _row_keys(x_ptr, len_ptr, row, j, S: tl.constexpr, N: tl.constexpr, HAS_LEN: tl.constexpr):
-    n_valid = S
-    if HAS_LEN:
-        n_valid = tl.minimum(tl.load(len_ptr + row), S)
-    x = tl.load(x_ptr + row * S + j, mask=j < n_valid, other=float("-inf"))
+def _chunk_keys(x_ptr, n_valid, row, col0, j, S: tl.constexpr, N: tl.constexpr):
+    x = tl.load(x_ptr + row * S + col0 + j, mask=j < n_valid, other=float("-inf"))
     return _keys(x.to(tl.float32)), j < N
 
 
@@ -33,17 +31,25 @@ def _row_keys(x_ptr, len_ptr, row, j, S: tl.constexpr, N: tl.constexpr, HAS_LEN:
 def topk_kernel(
     x_ptr,  # f32[b, S]
     len_ptr,  # int32[b] (read only when HAS_LEN)
-    val_ptr,  # f32[b, K]
-    idx_ptr,  # int32[b, K]
-    scratch_ptr,  # uint64[b, KP]: the picks before sorting
+    val_ptr,  # f32[b, NC * K]: each chunk's top K, chunk after chunk
+    idx_ptr,  # int32[b, NC * K]: their column in the row
+    scratch_ptr,  # uint64[b * NC, KP]: the picks before sorting
     S: tl.constexpr,
     K: tl.constexpr,
     KP: tl.constexpr,  # next power of two >= K
+    CHUNK: tl.constexpr,  # columns per program; S for a plain top-k
     HAS_LEN: tl.constexpr,
     BLOCK: tl.constexpr,
 ):
-    row = tl.program_id(0).to(tl.int64)
-    N: tl.constexpr = S if S > K else K  # positions past S read as -inf so that K picks always exist
+    pid = tl.program_id(0).to(tl.int64)
+    NC: tl.constexpr = (S + CHUNK - 1) // CHUNK
+    row = pid // NC
+    col0 = (pid % NC) * CHUNK
+    n_valid = S
+    if HAS_LEN:
+        n_valid = tl.minimum(tl.load(len_ptr + row), S)
+    n_valid = tl.minimum(n_valid - col0, CHUNK)  # this chunk's valid entries (<= 0: none)
+    N: tl.constexpr = CHUNK if CHUNK > K else K  # positions past the chunk read as -inf: K picks always exist
     digits = tl.arange(0, 256)
     prefix = tl.zeros([], tl.uint32)
     known = tl.zeros([], tl.uint32)  # bits of the k-th key fixed so far
@@ -53,7 +59,7 @@ def topk_kernel(
         hist = tl.zeros([256], tl.int32)
         for start in range(0, N, BLOCK):
             j = start + tl.arange(0, BLOCK)
-            key, inside = _row_keys(x_ptr, len_ptr, row, j, S, N, HAS_LEN)
+            key, inside = _chunk_keys(x_ptr, n_valid, row, col0, j, S, N)
             hit = inside & ((key & known) == prefix)
             hist += tl.histogram(((key >> shift) & 0xFF).to(tl.int32), 256, mask=hit)
         at_or_above = tl.cumsum(hist, 0, reverse=True)
@@ -64,43 +70,55 @@ def topk_kernel(
         known = known | (tl.full([], 0xFF, tl.uint32) << shift)
     # prefix is now the k-th largest key: take every larger key, and the first `need` equal ones.
     slots = tl.arange(0, KP)
-    tl.store(scratch_ptr + row * KP + slots, tl.zeros([KP], tl.uint64), mask=slots >= K)
+    tl.store(scratch_ptr + pid * KP + slots, tl.zeros([KP], tl.uint64), mask=slots >= K)
     taken = tl.zeros([], tl.int32)
     ties = tl.zeros([], tl.int32)
     for start in range(0, N, BLOCK):
         j = start + tl.arange(0, BLOCK)
-        key, inside = _row_keys(x_ptr, len_ptr, row, j, S, N, HAS_LEN)
+        key, inside = _chunk_keys(x_ptr, n_valid, row, col0, j, S, N)
         eq = (inside & (key == prefix)).to(tl.int32)
         tie_rank = ties + tl.cumsum(eq, 0) - eq
         take = inside & ((key > prefix) | ((eq != 0) & (tie_rank < need)))
         t = take.to(tl.int32)
         slot = taken + tl.cumsum(t, 0) - t
         packed = (key.to(tl.uint64) << 32) | (j.to(tl.uint32) ^ 0xFFFFFFFF).to(tl.uint64)
-        tl.store(scratch_ptr + row * KP + slot, packed, mask=take)
+        tl.store(scratch_ptr + pid * KP + slot, packed, mask=take)
         taken += tl.sum(t, 0)
         ties += tl.sum(eq, 0)
     tl.debug_barrier()
-    packed = tl.sort(tl.load(scratch_ptr + row * KP + slots), descending=True)
+    packed = tl.sort(tl.load(scratch_ptr + pid * KP + slots), descending=True)
     val = _floats((packed >> 32).to(tl.uint32))
     idx = ((packed & 0xFFFFFFFF).to(tl.uint32) ^ 0xFFFFFFFF).to(tl.int32)
-    idx = tl.where((val == float("-inf")) | (idx >= S), -1, idx)
-    tl.store(val_ptr + row * K + slots, val, mask=slots < K)
-    tl.store(idx_ptr + row * K + slots, idx, mask=slots < K)
+    # Positions past the chunk's valid entries read as -inf, so an -inf value is the only invalid pick.
+    idx = tl.where(val == float("-inf"), -1, idx + col0.to(tl.int32))
+    tl.store(val_ptr + pid * K + slots, val, mask=slots < K)
+    tl.store(idx_ptr + pid * K + slots, idx, mask=slots < K)
 
 
-def constexprs(s: int, k: int, has_len: bool, block: int = 1024) -> dict:
-    return dict(S=s, K=k, KP=triton.next_power_of_2(k), HAS_LEN=has_len, BLOCK=block)
+def constexprs(s: int, k: int, has_len: bool, block: int = 1024, chunk: int | None = None) -> dict:
+    """chunk: columns per program (default s: one program per row); a chunk's picks number k even when it
+    is shorter (padded with -inf). The block shrinks to the chunk so that a short chunk wastes no lanes."""
+    chunk = s if chunk is None else chunk
+    block = min(block, triton.next_power_of_2(max(chunk, k)))
+    return dict(S=s, K=k, KP=triton.next_power_of_2(k), CHUNK=chunk, HAS_LEN=has_len, BLOCK=block)
 
 
-def launch_torch(scores, k: int, lengths=None, block: int = 1024):
-    """Runs the kernel on torch tensors (GPU, or CPU under TRITON_INTERPRET=1). Returns (values, indices)."""
+def num_programs(s: int, chunk: int) -> int:
+    """Chunks per row, so programs per row, for `chunk` columns each."""
+    return -(-s // chunk)
+
+
+def launch_torch(scores, k: int, lengths=None, block: int = 1024, chunk: int | None = None):
+    """Runs the kernel on torch tensors (GPU, or CPU under TRITON_INTERPRET=1). Returns (values, indices),
+    f32 and int32 [b, n * k] for n chunks of `chunk` columns (default one chunk per row)."""
     import torch
 
     b, s = scores.shape
-    cx = constexprs(s, k, lengths is not None, block)
-    vals = torch.empty((b, k), dtype=torch.float32, device=scores.device)
-    idx = torch.empty((b, k), dtype=torch.int32, device=scores.device)
-    scratch = torch.empty((b, cx["KP"]), dtype=torch.uint64, device=scores.device)
+    cx = constexprs(s, k, lengths is not None, block, chunk)
+    n = num_programs(s, cx["CHUNK"])
+    vals = torch.empty((b, n * k), dtype=torch.float32, device=scores.device)
+    idx = torch.empty((b, n * k), dtype=torch.int32, device=scores.device)
+    scratch = torch.empty((b * n, cx["KP"]), dtype=torch.uint64, device=scores.device)
     lens = lengths.to(torch.int32) if lengths is not None else idx
-    topk_kernel[(b,)](scores.float().contiguous(), lens, vals, idx, scratch, **cx)
+    topk_kernel[(b * n,)](scores.float().contiguous(), lens, vals, idx, scratch, **cx)
     return vals, idx

@@ -9,6 +9,7 @@ from checks import assert_close, needs_triton_interp
 
 from djax.kernels.fp8_gemm import fp8_gemm, grouped_contiguous, grouped_masked
 from djax.kernels.fp8_gemm_ref import quantize_act, quantize_weight
+from djax.kernels.fp8_gemm_triton import DEFAULT_CFG, Fp8Config, dense_config
 from djax.kernels.grouped_gemm_triton import GemmConfig
 
 B = 128
@@ -120,3 +121,60 @@ def test_triton_interpreted_contiguous():
     ref = np.asarray(grouped_contiguous(*args, out_dtype=jnp.float32, impl="ref"))
     assert_close(out[m_idx >= 0], ref[m_idx >= 0], 1e-6)
     assert np.isnan(out[-16:]).all()  # the empty tile is skipped
+
+
+@needs_triton_interp
+@pytest.mark.parametrize(
+    "m,n,k,cfg",
+    [
+        # partial M, N and K tiles; 5 K blocks over 3 splits (2, 2, 1)
+        (20, 100, 600, Fp8Config(16, 32, 128, 4, 1, split_k=3)),
+        # 2 K blocks over 3 splits (1, 1, 0): the empty split writes a zero partial
+        (7, 40, 129, Fp8Config(16, 32, 128, 4, 1, split_k=3)),
+        # cfg None: the chooser's decode config (64 x 64 tiles); 9 K blocks over its splits
+        (37, 192, 1100, None),
+    ],
+)
+def test_triton_interpreted_split_k(m, n, k, cfg):
+    rng = np.random.default_rng(m * n + k)
+    kb = -(-k // B)
+    a, b = _fp8(rng, (m, k)), _fp8(rng, (n, k))
+    a_s, b_s = _scales(rng, (m, kb)), _scales(rng, (-(-n // B), kb))
+    args = list(map(jnp.asarray, (a, a_s, b, b_s)))
+    out = fp8_gemm(*args, out_dtype=jnp.float32, impl="interpret", cfg=cfg)
+    assert_close(out, fp8_gemm(*args, out_dtype=jnp.float32, impl="ref"), 1e-6)
+
+
+def test_dense_config_splits_k_for_decode():
+    dec = dense_config(64, 4096, 7168)
+    assert dec.split_k > 1 and dec.block_m == 64 and 128 % dec.block_n == 0
+    # enough programs for the H200's 132 SMs at the decode shape
+    assert (4096 // dec.block_n) * dec.split_k >= 100
+    assert dense_config(4096, 4096, 7168) == DEFAULT_CFG and DEFAULT_CFG.split_k == 1
+
+
+def test_split_k_is_refused_for_grouped():
+    """Split-K is dense only: a grouped call with it fails at trace time instead of computing something else."""
+    rng = np.random.default_rng(6)
+    a, b = _fp8(rng, (2, 16, 256)), _fp8(rng, (2, 32, 256))
+    args = [
+        *map(jnp.asarray, (a, _scales(rng, (2, 16, 2)), b, _scales(rng, (2, 1, 2)))),
+        jnp.asarray([3, 16]),
+    ]
+    with pytest.raises(ValueError, match="dense only"):
+        grouped_masked(*args, impl="interpret", cfg=Fp8Config(16, 32, 128, 4, 1, split_k=2))
+
+
+def test_decode_config_compiles_to_sm90_cubin():
+    """The chooser's decode config at m 64, n 4096, k 7168 compiles for sm_90 within its shared memory."""
+    from djax.ffi.cubin import MAX_SHARED_BYTES, compile_triton
+    from djax.kernels.fp8_gemm_triton import constexprs, fp8_gemm_kernel
+
+    cfg = dense_config(64, 4096, 7168)
+    fp8, f32 = jnp.float8_e4m3fn, jnp.float32
+    names = ["a_ptr", "as_ptr", "b_ptr", "bs_ptr", "grp_ptr", "c_ptr"]
+    dtypes = [fp8, f32, fp8, f32, jnp.int32, f32]
+    cx = constexprs(64, 4096, 7168, 0, "dense", cfg)
+    k = compile_triton(fp8_gemm_kernel, names, dtypes, cx, cfg.num_warps, cfg.num_stages)
+    assert k.binary[:4] == b"\x7fELF" and k.threads == 32 * cfg.num_warps
+    assert 0 < k.shared_bytes <= MAX_SHARED_BYTES

@@ -9,6 +9,7 @@ from checks import assert_close
 
 from djax.kernels.fp8_gemm import fp8_gemm, grouped_contiguous, grouped_masked
 from djax.kernels.fp8_gemm_ref import quantize_act, quantize_weight
+from djax.kernels.fp8_gemm_triton import Fp8Config
 from djax.kernels.grouped_gemm import GemmConfig, grouped_gemm_masked, grouped_swiglu_masked
 from djax.kernels.moe_experts import DECODE_CFG, PREFILL_CFG, layout, moe_experts
 from djax.models.moe import experts_dense
@@ -92,3 +93,20 @@ def test_fp8_triton_matches_ref(cfg):
     out = grouped_masked(am, am_s, bg, bg_s, cnt, f32, impl="triton", cfg=cfg)
     ref = grouped_masked(am, am_s, bg, bg_s, cnt, f32, impl="ref")
     assert_close(np.asarray(out)[mlive], np.asarray(ref)[mlive], 4e-4)
+
+
+@pytest.mark.parametrize(
+    "cfg",
+    [None, Fp8Config(64, 64, 128, 4, 6, split_k=4), Fp8Config(64, 32, 128, 4, 6, split_k=3)],
+)
+def test_fp8_split_k_matches_ref(cfg):
+    """Decode-sized m with split-K (None: the shape's default config), K = 1000: 8 K blocks, the last
+    partial, so some splits get fewer blocks than others."""
+    f32 = jnp.float32
+    a, a_s = quantize_act(jax.random.normal(jax.random.key(11), (37, 1000), f32))
+    b, b_s = quantize_weight(jax.random.normal(jax.random.key(12), (384, 1000), f32))
+    ref = fp8_gemm(a, a_s, b, b_s, f32, impl="ref")
+    assert_close(fp8_gemm(a, a_s, b, b_s, f32, impl="triton", cfg=cfg), ref, 4e-4)  # as above
+    out = fp8_gemm(a, a_s, b, b_s, jnp.bfloat16, impl="triton", cfg=cfg)
+    assert out.dtype == jnp.bfloat16
+    assert_close(out.astype(f32), ref, 1e-2)

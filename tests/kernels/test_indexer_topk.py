@@ -1,13 +1,15 @@
 """Indexer scoring and top-k: references against brute-force numpy; Triton kernels (interpreted) against them."""
 
+import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
 from checks import assert_close, needs_triton_interp
 
+from djax.kernels import topk as topk_module
 from djax.kernels.indexer import indexer_topk
 from djax.kernels.indexer_ref import index_scores_ref
-from djax.kernels.topk import topk
+from djax.kernels.topk import chunk_size, chunked_topk, topk
 from djax.kernels.topk_ref import topk_ref
 
 
@@ -104,6 +106,121 @@ def test_topk_triton_interpreted(b, s, k, block):
         rv, ri = topk_ref(jnp.asarray(x), k, None if lens is None else jnp.asarray(lens))
         np.testing.assert_array_equal(vals.numpy(), np.asarray(rv))
         np.testing.assert_array_equal(idx.numpy(), np.asarray(ri))
+
+
+def _interpreted_launch(block):
+    """`chunked_topk`'s launcher on the interpreted kernel: jnp arrays in and out."""
+    import torch
+
+    from djax.kernels.topk_triton import launch_torch
+
+    def launch(x, k, lengths, chunk):
+        lens = None if lengths is None else torch.from_numpy(np.array(lengths))
+        vals, idx = launch_torch(torch.from_numpy(np.array(x)), k, lens, block, chunk)
+        return jnp.asarray(vals.numpy()), jnp.asarray(idx.numpy())
+
+    return launch
+
+
+def _chunked_inputs(rng, b, s):
+    """Values on a grid of 1/4 (ties at the k-th value across chunks), the row maximum repeated in several
+    chunks, a run of -inf, and (b > 1) a last row with fewer valid entries than k."""
+    x = np.round(rng.standard_normal((b, s)) * 4).astype(np.float32) / 4
+    x[0, rng.integers(0, s, 8)] = x[0].max()
+    x[0, s // 2 : s // 2 + 40] = -np.inf
+    lengths = rng.integers(s // 2, s + 1, b).astype(np.int32)
+    lengths[-1] = 5 if b > 1 else s - 7
+    return x, lengths
+
+
+@needs_triton_interp
+@pytest.mark.parametrize(
+    "b,s,k,chunk,merge,use_len",
+    [
+        (1, 1000, 20, 128, "triton", True),  # one row; 1000 is not a multiple of the chunk
+        (2, 250, 60, 64, "triton", True),  # k close to the chunk
+        (2, 150, 64, 32, "ref", False),  # chunks shorter than k keep all their entries
+        (2, 450, 16, 100, "ref", True),
+    ],
+)
+def test_topk_chunked_interpreted(b, s, k, chunk, merge, use_len):
+    x, lengths = _chunked_inputs(np.random.default_rng(s + k), b, s)
+    lens = lengths if use_len else None
+    jl = None if lens is None else jnp.asarray(lens)
+    vals, idx = chunked_topk(_interpreted_launch(64), jnp.asarray(x), k, jl, chunk, merge)
+    bv, bi = _brute_topk(x, k, lens)
+    np.testing.assert_array_equal(np.asarray(vals), bv)
+    np.testing.assert_array_equal(np.asarray(idx), bi)
+    rv, ri = topk_ref(jnp.asarray(x), k, jl)
+    np.testing.assert_array_equal(np.asarray(vals), np.asarray(rv))
+    np.testing.assert_array_equal(np.asarray(idx), np.asarray(ri))
+
+
+@needs_triton_interp
+def test_topk_chunked_merge_chunks_again(monkeypatch):
+    # Small chunks and program target, so that the rule chunks the candidates too: 1000 -> 8 x 8 -> 2 x 8 -> 8.
+    monkeypatch.setattr(topk_module, "MIN_CHUNK", 32)
+    monkeypatch.setattr(topk_module, "CHUNK_ALIGN", 32)
+    monkeypatch.setattr(topk_module, "TARGET_PROGRAMS", 8)
+    assert chunk_size(1, 1000, 8) == 128 and chunk_size(1, 64, 8) == 32 and chunk_size(1, 16, 8) == 16
+    x, lengths = _chunked_inputs(np.random.default_rng(3), 1, 1000)
+    vals, idx = chunked_topk(_interpreted_launch(128), jnp.asarray(x), 8, jnp.asarray(lengths))
+    bv, bi = _brute_topk(x, 8, lengths)
+    np.testing.assert_array_equal(np.asarray(vals), bv)
+    np.testing.assert_array_equal(np.asarray(idx), bi)
+
+
+def _ref_launch(x, k, lengths, chunk):
+    """The kernel's chunked contract in jnp: each chunk's top k, columns counted in the row, -1 at -inf."""
+    b, s = x.shape
+    n = -(-s // chunk)
+    if lengths is not None:
+        x = jnp.where(jnp.arange(s)[None, :] < lengths[:, None], x, -jnp.inf)
+    x = jnp.pad(x, ((0, 0), (0, n * chunk - s)), constant_values=-jnp.inf)
+    vals, idx = topk_ref(x.reshape(b * n, chunk), k)
+    idx = jnp.where(idx < 0, -1, idx + (jnp.arange(b * n) % n * chunk)[:, None])
+    return vals.reshape(b, n * k), idx.reshape(b, n * k)
+
+
+@pytest.mark.parametrize("b,s,k", [(1, 70000, 512), (3, 20000, 64)])
+def test_chunked_topk_rule_under_jit(b, s, k):
+    # Full-size rows through the default rule (chunks of chunks for the first) with the kernel's contract.
+    assert chunk_size(b, s, k) < s
+    x, lengths = _chunked_inputs(np.random.default_rng(b), b, s)
+    fn = jax.jit(lambda a, ln: chunked_topk(_ref_launch, a, k, ln))
+    for lens in (jnp.asarray(lengths), None):
+        vals, idx = fn(jnp.asarray(x), lens)
+        rv, ri = topk_ref(jnp.asarray(x), k, lens)
+        np.testing.assert_array_equal(np.asarray(vals), np.asarray(rv))
+        np.testing.assert_array_equal(np.asarray(idx), np.asarray(ri))
+
+
+@pytest.mark.parametrize(
+    "rows,length,k,want",
+    [
+        (1, 262144, 512, 2048),  # the 4k floor: 128 programs
+        (4, 262144, 512, 2048),
+        (8, 262144, 512, 4096),
+        (1, 129280, 50, 1024),
+        (64, 129280, 50, 16384),
+        (64, 2048, 512, 2048),  # one stage
+        (256, 262144, 512, 131072),
+        (512, 262144, 512, 262144),  # enough rows for one program each
+    ],
+)
+def test_chunk_size_fills_the_gpu_and_shrinks_the_row(rows, length, k, want):
+    chunk = chunk_size(rows, length, k)
+    assert chunk == want
+    if chunk < length:
+        n = -(-length // chunk)
+        assert rows * n >= 64 and n * k <= length // 3
+
+
+def test_auto_rule_keeps_lax_top_k_only_for_one_row_with_large_k():
+    from djax.kernels.topk import auto_takes_kernel
+
+    assert not auto_takes_kernel(1, 512)  # measured slower than lax.top_k on the H200
+    assert auto_takes_kernel(1, 50) and auto_takes_kernel(4, 512) and auto_takes_kernel(64, 512)
 
 
 def test_topk_public_op_rejects_unknown_impl():

@@ -61,6 +61,19 @@ def test_lowering_split_kernel_with_head_groups():
 
 
 @needs_tilelang
+def test_lowering_warp_specialised_kernel():
+    """12 warps: a producer warpgroup gathering keys (cp.async arriving on mbarriers) and two consumer
+    warpgroups with rebalanced registers, handing P over through mbarriers rather than CTA barriers."""
+    src, launch = _lowered((3, 64, 128, 100, 300, 77), 32, 2, 384, 2)
+    assert launch["name"] == "sparse_decode_split_kernel" and launch["threads"] == 384
+    assert launch["params"] == (*OPERANDS, "p6_part", "p7_lse") and launch["grid"] == (3, 1, 2)
+    assert "mbarrier_cp_async_arrive_noinc" in src and "cp_async_gs_conditional" in src
+    assert "warpgroup_reg_alloc<240>" in src and "warpgroup_reg_dealloc" in src and "wgmma" in src
+    branches = src[src.index("if (256 <= ((int)threadIdx.x))") :]
+    assert "__syncthreads" not in branches  # the roles never wait for the whole CTA
+
+
+@needs_tilelang
 @pytest.mark.parametrize(
     "shape,tiling,match",
     [
@@ -68,7 +81,9 @@ def test_lowering_split_kernel_with_head_groups():
         ((2, 64, 512, 128, 64, 64), (64, 3, 256, 1), "shared memory"),
         ((2, 64, 1024, 128, 64, 64), (64, 2, 256, 1), "head dim"),
         ((2, 64, 512, 128, 64, 64), (48, 2, 256, 1), "block_s"),
-        ((2, 64, 512, 128, 64, 64), (64, 2, 384, 1), "threads"),
+        ((2, 64, 512, 128, 64, 64), (64, 2, 128, 1), "threads"),
+        ((2, 64, 512, 128, 64, 64), (128, 2, 384, 1), "block_s"),  # warp-specialised: 32 or 64
+        ((2, 64, 512, 128, 64, 64), (64, 3, 384, 1), "shared memory"),
         ((2, 64, 512, 128, 64, 64), (64, 2, 256, 4), "nsplit"),  # only 3 key blocks
         ((2, 64, 512, 128, 64, 64), (64, 1, 256, 1), "stages"),
         ((8, 64, 512, 128, 2048, 512), (64, 2, 512, 10), "16 warps"),  # one block per split
@@ -131,6 +146,10 @@ def _check(args, scale, **tiling):
         (64, 2, 8, 2),
         (32, 3, 8, 3),
         (32, 4, 16, 3),
+        (64, 2, 12, 1),
+        (32, 4, 12, 1),
+        (64, 2, 12, 3),
+        (32, 3, 12, 5),
     ],
 )
 def test_tilelang_matches_ref_odd_shapes(block_s, stages, warps, nsplit):
@@ -141,11 +160,22 @@ def test_tilelang_matches_ref_odd_shapes(block_s, stages, warps, nsplit):
 
 @needs_tilelang
 @pytest.mark.gpu
-@pytest.mark.parametrize("b,nsplit,block_s", [(64, 1, 64), (64, 2, 64), (8, 10, 64), (8, 16, 32)])
-def test_tilelang_matches_ref_benchmark_shape(b, nsplit, block_s):
+@pytest.mark.parametrize(
+    "b,nsplit,block_s,warps",
+    [
+        (64, 1, 64, 8),
+        (64, 2, 64, 8),
+        (8, 10, 64, 8),
+        (8, 16, 32, 8),
+        (64, 1, 64, 12),
+        (64, 2, 64, 12),
+        (8, 10, 64, 12),
+    ],
+)
+def test_tilelang_matches_ref_benchmark_shape(b, nsplit, block_s, warps):
     """The benchmark's shape (h 64, k 512, W 128, C 2048, T 512) with the split counts the sweep times."""
     args = _inputs(b + nsplit, b, 64, 512, 128, 2048, 512)
-    _check(args, 512**-0.5, block_s=block_s, num_stages=2, num_warps=8, nsplit=nsplit)
+    _check(args, 512**-0.5, block_s=block_s, num_stages=2, num_warps=warps, nsplit=nsplit)
 
 
 @needs_tilelang
@@ -156,15 +186,17 @@ def test_tilelang_large_logits_and_ring_129():
     args[0] = args[0] * 16  # logits ~ N(0, 16^2): far above the sink, exp without the max would overflow
     _check(args, 512**-0.5, block_s=64, num_stages=2, num_warps=8, nsplit=1)
     _check(args, 512**-0.5, block_s=64, num_stages=2, num_warps=8, nsplit=4)
+    _check(args, 512**-0.5, block_s=64, num_stages=2, num_warps=12, nsplit=3)
 
 
 def test_default_tiling_covers_the_sms_once_and_declines_other_heads():
     from djax.kernels.sparse_attn_tilelang import default_tiling
 
     b64, b8 = default_tiling(64, 64, 512, 128, 512), default_tiling(8, 64, 512, 128, 512)
-    assert (b64.block_s, b64.threads, b64.nsplit) == (64, 256, 2)
-    assert b8.nsplit == 10  # every one of the 10 key blocks its own CTA: 80 CTAs
+    assert (b64.block_s, b64.threads, b64.nsplit) == (64, 384, 1)  # warp-specialised, a CTA per row
+    assert b8.threads == 384 and b8.nsplit == 10  # every one of the 10 key blocks its own CTA: 80 CTAs
     assert default_tiling(1, 64, 512, 129, 1).nsplit == 4  # a sliding layer: 3 ring blocks + 1 pick block
+    assert default_tiling(4, 64, 1024, 128, 512) is None  # head dim over 512: neither program applies
     assert default_tiling(4, 32, 512, 128, 512) is None  # not a multiple of 64 heads: Triton runs instead
 
 
@@ -184,3 +216,26 @@ def test_auto_takes_tilelang_default_tiling(monkeypatch):
     ref = sparse_decode_ref(*[a.astype(jnp.float32) if a.dtype == BF16 else a for a in args], 512**-0.5)
     assert used == [sparse_attn_tilelang.default_tiling(8, 64, 512, 129, 300)], used
     assert_close(out.astype(jnp.float32), ref, 1e-2)
+
+
+@needs_tilelang
+def test_lowering_is_kept_on_disk(tmp_path, monkeypatch):
+    """A second process finds the lowered source on disk (lowering takes seconds per shape); the key
+    covers the shape, the scale and the tiling."""
+    from djax.kernels import sparse_attn_tilelang as tl
+
+    monkeypatch.setenv("DJAX_FFI_CACHE", str(tmp_path / "ffi"))
+    calls = []
+
+    def fake_lower(*args):
+        calls.append(args)
+        return f"source {len(calls)}", {"name": "k", "grid": (3, 1, 2), "threads": 384, "params": ("p0_q",)}
+
+    monkeypatch.setattr(tl, "lower_cuda", fake_lower)
+    shape, tiling = (3, 64, 128, 100, 300, 77), tl.Tiling(32, 2, 384, 2)
+    first = tl._lowered_on_disk(*shape, 0.0625, tiling)
+    assert tl._lowered_on_disk(*shape, 0.0625, tiling) == first and len(calls) == 1
+    assert first == ("source 1", {"name": "k", "grid": (3, 1, 2), "threads": 384, "params": ("p0_q",)})
+    tl._lowered_on_disk(*shape, 0.125, tiling)
+    tl._lowered_on_disk(*shape, 0.0625, tl.Tiling(64, 2, 384, 2))
+    assert len(calls) == 3 and len(list((tmp_path / "tilelang").glob("sparse_decode-*.json"))) == 3
