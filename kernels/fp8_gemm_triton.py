@@ -99,8 +99,11 @@ def fp8_gemm_kernel(
         k_ok = kb * BK + rk < K  # false for the whole block when kb >= KB
         a = tl.load(a_ptrs, mask=live[:, None] & k_ok[None, :], other=0.0)
         b = tl.load(b_ptrs, mask=n_ok[:, None] & k_ok[None, :], other=0.0)
-        sa = tl.load(as_ptrs + kb, mask=live & (kb < KB), other=0.0)
-        sb = tl.load(bs_ptrs + kb, mask=kb < KB, other=0.0)
+        # past the last K block the a and b tiles load as zeros, so any finite scale will do: the last
+        # block's, which keeps the scale reads in bounds without a mask
+        kbs = tl.minimum(kb, KB - 1)
+        sa = tl.load(as_ptrs + kbs, mask=live, other=0.0)
+        sb = tl.load(bs_ptrs + kbs)
         part = tl.dot(a, tl.trans(b))
         acc += part * (sa * sb)[:, None]
         a_ptrs += BK

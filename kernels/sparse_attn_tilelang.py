@@ -127,6 +127,96 @@ def check_shapes(h: int, k: int, w: int, c: int, t: int, tiling: Tiling) -> None
         )
 
 
+def _row_table(w: int, c: int, t: int, bs: int):
+    """A macro filling a row's slot table (both programs): slot j of the ring part [0, NBW * bs) is window
+    row j when j < W and valid, slot NBW * bs + i is pool row topk[i] when i < T and 0 <= topk[i] < C;
+    every other slot is -1 (masked)."""
+    import tilelang.language as T
+
+    nbw, nbt = _blocks(w, t, bs)
+
+    @T.macro
+    def fill_rows(rows, bx, valid, topk):
+        for j in T.Parallel((nbw + nbt) * bs):
+            i = T.min(T.max(j - nbw * bs, 0), t - 1)
+            rows[j] = T.if_then_else(
+                j < nbw * bs,
+                T.if_then_else((j < w) & (valid[bx, T.min(j, w - 1)] != 0), j, -1),
+                T.if_then_else((j - nbw * bs < t) & (topk[bx, i] >= 0) & (topk[bx, i] < c), topk[bx, i], -1),
+            )
+
+    return fill_rows
+
+
+def _softmax_step(bs: int, qk: float):
+    """A macro for one key block's online-softmax update in base 2 (both programs): masks S by the slot
+    table from slot `first_slot`, then updates the running max m, the rescale factor alpha and the
+    denominator l, leaving P = exp2(S - m) in s. The caller rescales its accumulator by alpha."""
+    import tilelang.language as T
+
+    @T.macro
+    def softmax_step(s, rows, first_slot, m, m_prev, alpha, rsum, l):
+        for hh, r in T.Parallel(HEADS, bs):
+            s[hh, r] = T.if_then_else(rows[first_slot + r] >= 0, s[hh, r] * qk, -T.infinity("float32"))
+        T.copy(m, m_prev)
+        T.reduce_max(s, m, dim=1, clear=False)
+        for hh in T.Parallel(HEADS):
+            alpha[hh] = T.exp2(m_prev[hh] - m[hh])
+        for hh, r in T.Parallel(HEADS, bs):
+            s[hh, r] = T.exp2(s[hh, r] - m[hh])
+        T.reduce_sum(s, rsum, dim=1)
+        for hh in T.Parallel(HEADS):
+            l[hh] = l[hh] * alpha[hh] + rsum[hh]
+
+    return softmax_step
+
+
+def _entry(b: int, h: int, k: int, w: int, c: int, t: int, nb: int, nsplit: int, threads: int, plain, split):
+    """Either program's entry point, parameters as in `_OPERANDS` and `_RESULTS` (TileLang needs one
+    function per signature): grid (b, h / 64) running the macro `plain(bx, by, *operands, out)`, or, with
+    splits, (b, h / 64, nsplit) running `split(bx, by, bz, lo, n, *operands, part, lse)` over key blocks
+    [lo, lo + n) of the nb."""
+    import tilelang.language as T
+
+    hg = h // HEADS
+    bf16, f32, i32 = "bfloat16", "float32", "int32"
+    if nsplit == 1:
+
+        @T.prim_func
+        def sparse_decode(
+            p0_q: T.Tensor((b, h, k), bf16),
+            p1_window: T.Tensor((b, w, k), bf16),
+            p2_valid: T.Tensor((b, w), i32),
+            p3_pool: T.Tensor((b, c, k), bf16),
+            p4_topk: T.Tensor((b, t), i32),
+            p5_sinks: T.Tensor((h,), f32),
+            p6_out: T.Tensor((b, h, k), bf16),
+        ):
+            with T.Kernel(b, hg, threads=threads) as (bx, by):
+                plain(bx, by, p0_q, p1_window, p2_valid, p3_pool, p4_topk, p5_sinks, p6_out)
+
+        return sparse_decode
+
+    @T.prim_func
+    def sparse_decode_split(
+        p0_q: T.Tensor((b, h, k), bf16),
+        p1_window: T.Tensor((b, w, k), bf16),
+        p2_valid: T.Tensor((b, w), i32),
+        p3_pool: T.Tensor((b, c, k), bf16),
+        p4_topk: T.Tensor((b, t), i32),
+        p5_sinks: T.Tensor((h,), f32),
+        p6_part: T.Tensor((b, nsplit, h, k), f32),
+        p7_lse: T.Tensor((b, nsplit, h), f32),
+    ):
+        with T.Kernel(b, hg, nsplit, threads=threads) as (bx, by, bz):
+            # balanced ranges: every split gets floor or ceil of nb / nsplit >= 1 blocks
+            lo = bz * nb // nsplit
+            n = (bz + 1) * nb // nsplit - lo
+            split(bx, by, bz, lo, n, p0_q, p1_window, p2_valid, p3_pool, p4_topk, p5_sinks, p6_part, p7_lse)
+
+    return sparse_decode_split
+
+
 def cuda_program(b: int, h: int, k: int, w: int, c: int, t: int, scale: float, tiling: Tiling):
     """The TileLang program for one static shape. Grid (b, h / 64, nsplit); parameters as in `_OPERANDS`.
 
@@ -140,8 +230,8 @@ def cuda_program(b: int, h: int, k: int, w: int, c: int, t: int, scale: float, t
     bs, ns, nsplit = tiling.block_s, tiling.stages, tiling.nsplit
     nbw, nbt = _blocks(w, t, bs)
     nb = nbw + nbt
-    hg = h // HEADS
     qk = float(scale) * _LOG2E  # softmax in base 2
+    fill_rows, softmax_step = _row_table(w, c, t, bs), _softmax_step(bs, qk)
     bf16, f32, i32 = "bfloat16", "float32", "int32"
     policy = T.GemmWarpPolicy.FullCol  # warpgroups split the columns: M is one wgmma tile of 64 heads
 
@@ -175,13 +265,7 @@ def cuda_program(b: int, h: int, k: int, w: int, c: int, t: int, scale: float, t
         rsum = T.alloc_fragment((HEADS,), f32)
         alpha = T.alloc_fragment((HEADS,), f32)
 
-        for j in T.Parallel(nb * bs):
-            i = T.min(T.max(j - nbw * bs, 0), t - 1)
-            rows[j] = T.if_then_else(
-                j < nbw * bs,
-                T.if_then_else((j < w) & (valid[bx, T.min(j, w - 1)] != 0), j, -1),
-                T.if_then_else((j - nbw * bs < t) & (topk[bx, i] >= 0) & (topk[bx, i] < c), topk[bx, i], -1),
-            )
+        fill_rows(rows, bx, valid, topk)
         T.sync_threads()
         for st in T.serial(ns - 1):
             if st < n:
@@ -199,17 +283,7 @@ def cuda_program(b: int, h: int, k: int, w: int, c: int, t: int, scale: float, t
             T.ptx_wait_group(ns - 1)  # block g has landed
             T.sync_threads()
             T.gemm(q_s, k_s[g % ns, :, :], s, transpose_B=True, clear_accum=True, policy=policy)
-            for hh, r in T.Parallel(HEADS, bs):
-                s[hh, r] = T.if_then_else(rows[(lo + g) * bs + r] >= 0, s[hh, r] * qk, -T.infinity(f32))
-            T.copy(m, m_prev)
-            T.reduce_max(s, m, dim=1, clear=False)
-            for hh in T.Parallel(HEADS):
-                alpha[hh] = T.exp2(m_prev[hh] - m[hh])
-            for hh, r in T.Parallel(HEADS, bs):
-                s[hh, r] = T.exp2(s[hh, r] - m[hh])
-            T.reduce_sum(s, rsum, dim=1)
-            for hh in T.Parallel(HEADS):
-                l[hh] = l[hh] * alpha[hh] + rsum[hh]
+            softmax_step(s, rows, (lo + g) * bs, m, m_prev, alpha, rsum, l)
             for hh, d in T.Parallel(HEADS, k):
                 acc[hh, d] *= alpha[hh]
             T.copy(s, p_s)
@@ -231,43 +305,17 @@ def cuda_program(b: int, h: int, k: int, w: int, c: int, t: int, scale: float, t
             lse[bx, bz, by * HEADS + hh] = T.if_then_else(l[hh] > 0, m[hh] + T.log2(l[hh]), -T.infinity(f32))
         T.copy(acc, part[bx, bz, by * HEADS, 0])
 
-    if nsplit == 1:
+    @T.macro
+    def plain(bx, by, q, win, valid, pool, topk, sinks, out):
+        acc, m, l = attend(bx, by, 0, nb, True, q, win, valid, pool, topk, sinks)
+        finish_out(out, bx, by, acc, m, l)
 
-        @T.prim_func
-        def sparse_decode(
-            p0_q: T.Tensor((b, h, k), bf16),
-            p1_window: T.Tensor((b, w, k), bf16),
-            p2_valid: T.Tensor((b, w), i32),
-            p3_pool: T.Tensor((b, c, k), bf16),
-            p4_topk: T.Tensor((b, t), i32),
-            p5_sinks: T.Tensor((h,), f32),
-            p6_out: T.Tensor((b, h, k), bf16),
-        ):
-            with T.Kernel(b, hg, threads=tiling.threads) as (bx, by):
-                acc, m, l = attend(bx, by, 0, nb, True, p0_q, p1_window, p2_valid, p3_pool, p4_topk, p5_sinks)
-                finish_out(p6_out, bx, by, acc, m, l)
+    @T.macro
+    def split(bx, by, bz, lo, n, q, win, valid, pool, topk, sinks, part, lse):
+        acc, m, l = attend(bx, by, lo, n, bz == 0, q, win, valid, pool, topk, sinks)
+        finish_split(part, lse, bx, by, bz, acc, m, l)
 
-        return sparse_decode
-
-    @T.prim_func
-    def sparse_decode_split(
-        p0_q: T.Tensor((b, h, k), bf16),
-        p1_window: T.Tensor((b, w, k), bf16),
-        p2_valid: T.Tensor((b, w), i32),
-        p3_pool: T.Tensor((b, c, k), bf16),
-        p4_topk: T.Tensor((b, t), i32),
-        p5_sinks: T.Tensor((h,), f32),
-        p6_part: T.Tensor((b, nsplit, h, k), f32),
-        p7_lse: T.Tensor((b, nsplit, h), f32),
-    ):
-        with T.Kernel(b, hg, nsplit, threads=tiling.threads) as (bx, by, bz):
-            # balanced ranges: every split gets floor or ceil of nb / nsplit >= 1 blocks
-            lo = bz * nb // nsplit
-            n = (bz + 1) * nb // nsplit - lo
-            acc, m, l = attend(bx, by, lo, n, bz == 0, p0_q, p1_window, p2_valid, p3_pool, p4_topk, p5_sinks)
-            finish_split(p6_part, p7_lse, bx, by, bz, acc, m, l)
-
-    return sparse_decode_split
+    return _entry(b, h, k, w, c, t, nb, nsplit, tiling.threads, plain, split)
 
 
 def ws_program(b: int, h: int, k: int, w: int, c: int, t: int, scale: float, tiling: Tiling):
@@ -290,8 +338,9 @@ def ws_program(b: int, h: int, k: int, w: int, c: int, t: int, scale: float, til
     bs, ns, nsplit = tiling.block_s, tiling.stages, tiling.nsplit
     nbw, nbt = _blocks(w, t, bs)
     nb = nbw + nbt
-    hg, kh = h // HEADS, k // 2
+    kh = k // 2
     qk = float(scale) * _LOG2E
+    fill_rows, softmax_step = _row_table(w, c, t, bs), _softmax_step(bs, qk)
     bf16, f32, i32 = "bfloat16", "float32", "int32"
 
     @T.macro
@@ -331,13 +380,7 @@ def ws_program(b: int, h: int, k: int, w: int, c: int, t: int, scale: float, til
         l_ready = T.alloc_barrier(128)  # softmax warpgroup: final denominators written
         tx = T.get_thread_binding()
 
-        for j in T.Parallel(nb * bs):
-            i = T.min(T.max(j - nbw * bs, 0), t - 1)
-            rows[j] = T.if_then_else(
-                j < nbw * bs,
-                T.if_then_else((j < w) & (valid[bx, T.min(j, w - 1)] != 0), j, -1),
-                T.if_then_else((j - nbw * bs < t) & (topk[bx, i] >= 0) & (topk[bx, i] < c), topk[bx, i], -1),
-            )
+        fill_rows(rows, bx, valid, topk)
         T.sync_threads()
 
         if tx >= 256:
@@ -387,17 +430,7 @@ def ws_program(b: int, h: int, k: int, w: int, c: int, t: int, scale: float, til
                 T.barrier_wait(ready[st], (g // ns) & 1)
                 T.gemm(q_l, k_l[st, :, :], s, transpose_B=True, clear_accum=True)
                 T.gemm(q_r, k_r[st, :, :], s, transpose_B=True)
-                for hh, r in T.Parallel(HEADS, bs):
-                    s[hh, r] = T.if_then_else(rows[(lo + g) * bs + r] >= 0, s[hh, r] * qk, -T.infinity(f32))
-                T.copy(m, m_prev)
-                T.reduce_max(s, m, dim=1, clear=False)
-                for hh in T.Parallel(HEADS):
-                    alpha[hh] = T.exp2(m_prev[hh] - m[hh])
-                for hh, r in T.Parallel(HEADS, bs):
-                    s[hh, r] = T.exp2(s[hh, r] - m[hh])
-                T.reduce_sum(s, rsum, dim=1)
-                for hh in T.Parallel(HEADS):
-                    l[hh] = l[hh] * alpha[hh] + rsum[hh]
+                softmax_step(s, rows, (lo + g) * bs, m, m_prev, alpha, rsum, l)
                 for hh, d in T.Parallel(HEADS, kh):
                     acc_l[hh, d] *= alpha[hh]
                 if g > 0:
@@ -430,70 +463,15 @@ def ws_program(b: int, h: int, k: int, w: int, c: int, t: int, scale: float, til
             T.barrier_wait(l_ready, 0)
             finish(out, lse, bx, by, bz, kh, acc_r, l_s)
 
-    if nsplit == 1:
+    @T.macro
+    def plain(bx, by, q, win, valid, pool, topk, sinks, out):
+        body(bx, by, 0, 0, nb, True, q, win, valid, pool, topk, sinks, out, None)
 
-        @T.prim_func
-        def sparse_decode(
-            p0_q: T.Tensor((b, h, k), bf16),
-            p1_window: T.Tensor((b, w, k), bf16),
-            p2_valid: T.Tensor((b, w), i32),
-            p3_pool: T.Tensor((b, c, k), bf16),
-            p4_topk: T.Tensor((b, t), i32),
-            p5_sinks: T.Tensor((h,), f32),
-            p6_out: T.Tensor((b, h, k), bf16),
-        ):
-            with T.Kernel(b, hg, threads=384) as (bx, by):
-                body(
-                    bx,
-                    by,
-                    0,
-                    0,
-                    nb,
-                    True,
-                    p0_q,
-                    p1_window,
-                    p2_valid,
-                    p3_pool,
-                    p4_topk,
-                    p5_sinks,
-                    p6_out,
-                    None,
-                )
+    @T.macro
+    def split(bx, by, bz, lo, n, q, win, valid, pool, topk, sinks, part, lse):
+        body(bx, by, bz, lo, n, bz == 0, q, win, valid, pool, topk, sinks, part, lse)
 
-        return sparse_decode
-
-    @T.prim_func
-    def sparse_decode_split(
-        p0_q: T.Tensor((b, h, k), bf16),
-        p1_window: T.Tensor((b, w, k), bf16),
-        p2_valid: T.Tensor((b, w), i32),
-        p3_pool: T.Tensor((b, c, k), bf16),
-        p4_topk: T.Tensor((b, t), i32),
-        p5_sinks: T.Tensor((h,), f32),
-        p6_part: T.Tensor((b, nsplit, h, k), f32),
-        p7_lse: T.Tensor((b, nsplit, h), f32),
-    ):
-        with T.Kernel(b, hg, nsplit, threads=384) as (bx, by, bz):
-            lo = bz * nb // nsplit  # balanced ranges, as in `cuda_program`
-            n = (bz + 1) * nb // nsplit - lo
-            body(
-                bx,
-                by,
-                bz,
-                lo,
-                n,
-                bz == 0,
-                p0_q,
-                p1_window,
-                p2_valid,
-                p3_pool,
-                p4_topk,
-                p5_sinks,
-                p6_part,
-                p7_lse,
-            )
-
-    return sparse_decode_split
+    return _entry(b, h, k, w, c, t, nb, nsplit, 384, plain, split)
 
 
 def lower_cuda(
