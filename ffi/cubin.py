@@ -151,15 +151,19 @@ def load(kernel: Cubin) -> None:
 def launch(kernel: Cubin, grid: tuple[int, ...], args: list, out_types: list):
     """Enqueues `kernel` on XLA's stream over `args` (device pointers, in order) and fresh results."""
     load(kernel)
-    gx, gy, gz = (*grid, 1, 1)[:3]
     call = jax.ffi.ffi_call("djax_cubin_launch", out_types)
-    return call(
-        *args,
-        key=kernel.key,
+    attrs = launch_attrs(kernel.key, grid, kernel.threads, kernel.shared_bytes)
+    return call(*args, **attrs, extra_null=np.int64(kernel.extra_null))
+
+
+def launch_attrs(key: str, grid: tuple[int, ...], threads: int, shared_bytes: int) -> dict:
+    """The FFI attributes both launch handlers share: the loaded kernel's key and the launch shape."""
+    gx, gy, gz = (*grid, 1, 1)[:3]
+    return dict(
+        key=key,
         grid_x=np.int64(gx),
         grid_y=np.int64(gy),
         grid_z=np.int64(gz),
-        threads=np.int64(kernel.threads),
-        shared_bytes=np.int64(kernel.shared_bytes),
-        extra_null=np.int64(kernel.extra_null),
+        threads=np.int64(threads),
+        shared_bytes=np.int64(shared_bytes),
     )

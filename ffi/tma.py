@@ -182,15 +182,6 @@ def launch(kernel: TmaKernel, args: list, out_types):
     outs = out_types if isinstance(out_types, (list, tuple)) else [out_types]
     nbytes = [int(np.prod(x.shape)) * np.dtype(x.dtype).itemsize for x in [*args, *outs]]
     check(kernel, nbytes)  # the same checks the handler makes, at trace time, with a Python traceback
-    gx, gy, gz = kernel.grid
     call = jax.ffi.ffi_call("djax_tma_launch", out_types)
-    return call(
-        *args,
-        key=kernel.key,
-        grid_x=np.int64(gx),
-        grid_y=np.int64(gy),
-        grid_z=np.int64(gz),
-        threads=np.int64(kernel.threads),
-        shared_bytes=np.int64(kernel.shared_bytes),
-        plan=kernel.plan,
-    )
+    attrs = cubin.launch_attrs(kernel.key, kernel.grid, kernel.threads, kernel.shared_bytes)
+    return call(*args, **attrs, plan=kernel.plan)

@@ -6,7 +6,7 @@ import jax
 import jax.numpy as jnp
 
 from djax.kernels.dispatch import has_tilelang, on_cuda, resolve
-from djax.kernels.sparse_attn_ref import sparse_decode_ref
+from djax.kernels.sparse_attn_ref import combine_splits, sparse_decode_ref
 
 
 def sparse_decode(
@@ -62,22 +62,10 @@ def _triton(
     q, window, window_valid, pool, topk, sinks, scale, block_h, block_s, num_warps, num_stages, nsplit
 ):
     from djax.ffi import cubin
-    from djax.kernels.sparse_attn_triton import (
-        combine_splits,
-        constexprs,
-        sparse_decode_kernel,
-        sparse_decode_split_kernel,
-    )
+    from djax.kernels.sparse_attn_triton import constexprs, sparse_decode_kernel, sparse_decode_split_kernel
 
     b, h, k = q.shape
-    args = [
-        q,
-        window.astype(q.dtype),
-        window_valid.astype(jnp.int32),
-        pool.astype(q.dtype),
-        topk.astype(jnp.int32),
-        sinks.astype(jnp.float32),
-    ]
+    args = kernel_operands(q, window, window_valid, pool, topk, sinks)
     names = ["q_ptr", "win_ptr", "valid_ptr", "pool_ptr", "topk_ptr", "sink_ptr"]
     cx = constexprs(h, k, window.shape[1], pool.shape[1], topk.shape[1], scale, block_h, block_s, nsplit)
     dtypes = [a.dtype for a in args]
@@ -95,6 +83,31 @@ def _triton(
         num_warps,
         num_stages,
     )
-    outs = [jax.ShapeDtypeStruct((b, nsplit, h, k), f32), jax.ShapeDtypeStruct((b, nsplit, h), f32)]
-    part, lse = cubin.launch(kern, (b, h // block_h, nsplit), args, outs)
-    return combine_splits(part, lse, jnp).astype(q.dtype)
+    part, lse = cubin.launch(kern, (b, h // block_h, nsplit), args, split_results(q.shape, nsplit))
+    return combine_splits(part, lse).astype(q.dtype)
+
+
+def kernel_operands(q, window, window_valid, pool, topk, sinks) -> list:
+    """The kernels' operands in launch order: keys in q's dtype, int32 validity and picks, f32 sinks.
+    Raises ValueError for inconsistent shapes."""
+    b, h, k = q.shape
+    w, t = window.shape[1], topk.shape[1]
+    if window.shape != (b, w, k) or pool.shape[::2] != (b, k) or window_valid.shape != (b, w):
+        raise ValueError(f"inconsistent shapes q{q.shape} window{window.shape} pool{pool.shape}")
+    if topk.shape != (b, t) or sinks.shape != (h,):
+        raise ValueError(f"inconsistent shapes topk{topk.shape} sinks{sinks.shape} for q{q.shape}")
+    return [
+        q,
+        window.astype(q.dtype),
+        window_valid.astype(jnp.int32),
+        pool.astype(q.dtype),
+        topk.astype(jnp.int32),
+        sinks.astype(jnp.float32),
+    ]
+
+
+def split_results(q_shape, nsplit: int) -> list:
+    """The split kernels' results: f32 partial outputs [b, nsplit, h, k] and base-2 log-sum-exps [b, nsplit, h]."""
+    b, h, k = q_shape
+    f32 = jnp.float32
+    return [jax.ShapeDtypeStruct((b, nsplit, h, k), f32), jax.ShapeDtypeStruct((b, nsplit, h), f32)]

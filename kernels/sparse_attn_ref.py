@@ -41,3 +41,12 @@ def sparse_decode_ref(q, window, window_valid, pool, topk, sinks, scale: float):
 
 
 sparse_decode_ref_jit = jax.jit(sparse_decode_ref, static_argnames="scale")
+
+
+def combine_splits(part, lse, xp=jnp):
+    """Merges the split (flash-decoding) outputs of the kernels: part f32[b, n, h, k], each split normalised
+    by its own denominator; lse f32[b, n, h], its base-2 log-sum-exp (-inf for a split with no mass; split 0
+    holds the sink, so the max is finite) -> f32[b, h, k]. xp: jnp, or torch for the kernels' torch runs."""
+    top = xp.amax(lse, axis=1, keepdims=True)
+    w = xp.exp2(lse - top)
+    return (w[..., None] * part).sum(axis=1) / w.sum(axis=1)[..., None]

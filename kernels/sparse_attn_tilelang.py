@@ -12,7 +12,7 @@ Contract: `sparse_attn_ref.sparse_decode_ref`. Why this shape of kernel (see NOT
   thread with 2 warpgroups). Online softmax in base 2 with the sink seeding the running max and denominator.
 - Batch 64 is only 64 CTAs on 132 SMs and small batches far fewer, so `nsplit` > 1 gives each row `nsplit`
   CTAs over balanced ranges of key blocks (flash decoding); they write f32 partial outputs and base-2
-  log-sum-exps that `combine_splits` merges in jnp.
+  log-sum-exps that `sparse_attn_ref.combine_splits` merges in jnp.
 `ws_program` is the warp-specialised form (12 warps: a producer warpgroup and two consumers handing off
 through mbarriers, no CTA-wide barriers in the loop), the default where it applies. Neither uses TMA, so
 the kernel's parameters stay the plain device pointers that `ffi/csrc/cubin_launch.cc` passes (operands in
@@ -31,6 +31,7 @@ import jax
 import jax.numpy as jnp
 
 from djax.kernels.fp8_gemm_tilelang import _lower, nvcc_cubin, pointer_kernel
+from djax.kernels.sparse_attn_ref import combine_splits
 
 HEADS = 64  # wgmma M: one CTA takes 64 heads of one row
 _ARCH = "sm_90a"
@@ -517,13 +518,6 @@ def cuda_kernel(b: int, h: int, k: int, w: int, c: int, t: int, scale: float, ti
     return CudaKernel(cub, launch["grid"], launch["params"], source)
 
 
-def combine_splits(part, lse):
-    """part f32[b, n, h, k] (each split normalised), lse f32[b, n, h] (base 2, -inf for an empty split;
-    split 0 holds the sink so the max is finite) -> f32[b, h, k]."""
-    wgt = jnp.exp2(lse - jnp.max(lse, axis=1, keepdims=True))
-    return jnp.einsum("bnh,bnhk->bhk", wgt, part) / wgt.sum(axis=1)[..., None]
-
-
 def default_tiling(b: int, h: int, k: int, w: int, t: int) -> Tiling | None:
     """The tiling `impl="auto"` uses, or None where the kernel does not apply (then Triton runs).
 
@@ -555,28 +549,16 @@ def sparse_decode_tilelang(
     topk int32[b, T] (negative or >= C: invalid); sinks f32[h]. Window and pool are cast to bf16.
     """
     from djax.ffi import cubin
+    from djax.kernels.sparse_attn import kernel_operands, split_results
 
-    b, h, k = q.shape
-    w, c, t = window.shape[1], pool.shape[1], topk.shape[1]
     if q.dtype != jnp.bfloat16:
         raise ValueError(f"the TileLang sparse decode takes bf16 q, got {q.dtype}")
-    if window.shape != (b, w, k) or pool.shape[::2] != (b, k) or window_valid.shape != (b, w):
-        raise ValueError(f"inconsistent shapes q{q.shape} window{window.shape} pool{pool.shape}")
-    if topk.shape != (b, t) or sinks.shape != (h,):
-        raise ValueError(f"inconsistent shapes topk{topk.shape} sinks{sinks.shape} for q{q.shape}")
+    args = kernel_operands(q, window, window_valid, pool, topk, sinks)
+    b, h, k = q.shape
+    w, c, t = window.shape[1], pool.shape[1], topk.shape[1]
     check_shapes(h, k, w, c, t, tiling)
     kern = cuda_kernel(b, h, k, w, c, t, float(scale), tiling)
-    args = [
-        q,
-        window.astype(jnp.bfloat16),
-        window_valid.astype(jnp.int32),
-        pool.astype(jnp.bfloat16),
-        topk.astype(jnp.int32),
-        sinks.astype(jnp.float32),
-    ]
     if tiling.nsplit == 1:
         return cubin.launch(kern.cubin, kern.grid, args, jax.ShapeDtypeStruct(q.shape, q.dtype))
-    n = tiling.nsplit
-    outs = [jax.ShapeDtypeStruct((b, n, h, k), jnp.float32), jax.ShapeDtypeStruct((b, n, h), jnp.float32)]
-    part, lse = cubin.launch(kern.cubin, kern.grid, args, outs)
+    part, lse = cubin.launch(kern.cubin, kern.grid, args, split_results(q.shape, tiling.nsplit))
     return combine_splits(part, lse).astype(q.dtype)

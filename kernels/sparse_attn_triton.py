@@ -109,7 +109,7 @@ def sparse_decode_split_kernel(
     SPLIT_LEN: tl.constexpr,  # keys per split, a multiple of BLOCK_S
 ):
     """Flash-decoding split: program (b, head block, split) covers a BLOCK_S-aligned slice of the keys;
-    split 0 also carries the sink. `combine_splits` merges the slices."""
+    split 0 also carries the sink. `sparse_attn_ref.combine_splits` merges the slices."""
     b = tl.program_id(0).to(tl.int64)
     hs = tl.program_id(1) * BLOCK_H + tl.arange(0, BLOCK_H)
     sp = tl.program_id(2)
@@ -161,13 +161,6 @@ def constexprs(
     return {**cx, "NSPLIT": nsplit, "SPLIT_LEN": per_split}
 
 
-def combine_splits(part, lse, xp):
-    """Merges split outputs: part f32[b, n, h, K], lse f32[b, n, h] (base 2) -> f32[b, h, K]. xp: numpy-like."""
-    top = xp.amax(lse, axis=1, keepdims=True)  # finite: split 0 holds the sink
-    w = xp.exp2(lse - top)
-    return (w[..., None] * part).sum(axis=1) / w.sum(axis=1)[..., None]
-
-
 def launch_torch(
     q, window, valid, pool, topk, sinks, scale: float, block_h: int = 16, block_s: int = 16, nsplit: int = 1
 ):
@@ -184,4 +177,6 @@ def launch_torch(
     part = torch.full((b, nsplit, h, k), float("nan"), dtype=torch.float32, device=q.device)
     lse = torch.full((b, nsplit, h), float("nan"), dtype=torch.float32, device=q.device)
     sparse_decode_split_kernel[(b, h // block_h, nsplit)](*args, part, lse, **cx)
+    from djax.kernels.sparse_attn_ref import combine_splits
+
     return combine_splits(part, lse, torch).to(q.dtype)

@@ -1,8 +1,10 @@
-"""Shared comparison helpers for kernel tests: inf/nan positions first, then relative error, then the worst element."""
+"""Shared helpers for kernel tests: comparisons (inf/nan positions first, then relative error, then the worst
+element) and the sparse decode inputs."""
 
 import importlib.util
 import os
 
+import jax.numpy as jnp
 import numpy as np
 import pytest
 
@@ -25,3 +27,19 @@ def assert_close(out, ref, rtol: float):
     err = np.linalg.norm(diff) / max(np.linalg.norm(ref[fin]), 1e-30)
     worst = np.unravel_index(np.argmax(diff), ref.shape)
     assert err <= rtol, f"rel err {err:.3e} > {rtol:.1e}; worst at {worst}: {out[worst]} vs {ref[worst]}"
+
+
+def sparse_decode_inputs(seed, b, h, k, w, c, t):
+    """Sparse decode operands, random and never zero: ~20% masked ring slots, invalid picks (-1 and >= C),
+    the last row with nothing to attend."""
+    rng = np.random.default_rng(seed)
+    q = jnp.asarray(rng.standard_normal((b, h, k)), jnp.bfloat16)
+    win = jnp.asarray(rng.standard_normal((b, w, k)), jnp.bfloat16)
+    valid = rng.random((b, w)) < 0.8
+    valid[-1] = False
+    pool = jnp.asarray(rng.standard_normal((b, c, k)), jnp.bfloat16)
+    top = rng.integers(-1, c + 3, (b, t)).astype(np.int32)  # -1 and c .. c+2 are invalid
+    top[0, :5] = [-1, c, c + 7, -100, 0]
+    top[-1] = -1
+    sinks = rng.standard_normal(h).astype(np.float32)
+    return q, win, jnp.asarray(valid), pool, jnp.asarray(top), jnp.asarray(sinks)

@@ -4,7 +4,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
-from checks import assert_close
+from checks import assert_close, sparse_decode_inputs
 
 from djax.kernels.indexer import index_scores, indexer_topk
 from djax.kernels.indexer_ref import index_scores_ref
@@ -17,24 +17,11 @@ pytestmark = pytest.mark.gpu
 BF16 = jnp.bfloat16
 
 
-def _attn_inputs(seed, b, h, k, w, c, t):
-    rng = np.random.default_rng(seed)
-    q = jnp.asarray(rng.standard_normal((b, h, k)), BF16)
-    win = jnp.asarray(rng.standard_normal((b, w, k)), BF16)
-    valid = rng.random((b, w)) < 0.8
-    valid[-1] = False
-    pool = jnp.asarray(rng.standard_normal((b, c, k)), BF16)
-    top = rng.integers(-1, c, (b, t)).astype(np.int32)
-    top[-1] = -1
-    sinks = rng.standard_normal(h).astype(np.float32)
-    return q, win, jnp.asarray(valid), pool, jnp.asarray(top), jnp.asarray(sinks)
-
-
 @pytest.mark.parametrize(
     "block_h,block_s,warps,nsplit", [(16, 32, 4, 1), (32, 64, 8, 1), (64, 16, 8, 1), (32, 64, 8, 4)]
 )
 def test_sparse_decode_triton_matches_ref(block_h, block_s, warps, nsplit):
-    args = _attn_inputs(block_h, 5, 64, 512, 128, 1000, 512)
+    args = sparse_decode_inputs(block_h, 5, 64, 512, 128, 1000, 512)
     scale = 512**-0.5
     fast = jax.jit(
         lambda *a: sparse_decode(

@@ -102,3 +102,29 @@ def test_public_op_auto_is_ref_on_cpu():
     np.testing.assert_array_equal(sparse_decode(*args, scale=0.3), sparse_decode_ref(*args, scale=0.3))
     with pytest.raises(ValueError):
         sparse_decode(*args, scale=0.3, impl="cuda-magic")
+
+
+def test_kernel_operands_cast_and_reject_inconsistent_shapes():
+    from djax.kernels.sparse_attn import kernel_operands
+
+    b, h, k, w, c, t = 2, 4, 8, 3, 5, 6
+    q = jnp.ones((b, h, k), jnp.bfloat16)
+    win, pool = jnp.ones((b, w, k), jnp.float32), jnp.ones((b, c, k), jnp.float32)
+    valid, top, sinks = jnp.ones((b, w), bool), jnp.zeros((b, t), jnp.int16), jnp.zeros((h,), jnp.bfloat16)
+    ops = kernel_operands(q, win, valid, pool, top, sinks)
+    assert [o.dtype for o in ops] == [
+        jnp.bfloat16,
+        jnp.bfloat16,
+        jnp.int32,
+        jnp.bfloat16,
+        jnp.int32,
+        jnp.float32,
+    ]
+    with pytest.raises(ValueError, match="window"):
+        kernel_operands(q, win[:, :, :4], valid, pool, top, sinks)
+    with pytest.raises(ValueError, match="pool"):
+        kernel_operands(q, win, valid, pool[:1], top, sinks)
+    with pytest.raises(ValueError, match="topk"):
+        kernel_operands(q, win, valid, pool, top[:1], sinks)
+    with pytest.raises(ValueError, match="sinks"):
+        kernel_operands(q, win, valid, pool, top, sinks[:2])

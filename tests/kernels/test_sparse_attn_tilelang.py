@@ -13,7 +13,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
-from checks import assert_close
+from checks import assert_close, sparse_decode_inputs
 
 from djax.ffi import build
 from djax.kernels.sparse_attn import sparse_decode
@@ -111,21 +111,6 @@ def test_cubin_for_sm90_at_benchmark_shape(tmp_path, monkeypatch):
     assert list((tmp_path / "tilelang").glob("*.cubin"))
 
 
-def _inputs(seed, b, h, k, w, c, t):
-    """Random, never-zero inputs: ~20% masked ring slots, invalid picks (-1 and >= C), the last row empty."""
-    rng = np.random.default_rng(seed)
-    q = jnp.asarray(rng.standard_normal((b, h, k)), BF16)
-    win = jnp.asarray(rng.standard_normal((b, w, k)), BF16)
-    valid = rng.random((b, w)) < 0.8
-    valid[-1] = False
-    pool = jnp.asarray(rng.standard_normal((b, c, k)), BF16)
-    top = rng.integers(-1, c + 3, (b, t)).astype(np.int32)  # -1 and c .. c+2 are invalid
-    top[0, :5] = [-1, c, c + 7, -100, 0]
-    top[-1] = -1
-    sinks = rng.standard_normal(h).astype(np.float32)
-    return q, win, jnp.asarray(valid), pool, jnp.asarray(top), jnp.asarray(sinks)
-
-
 def _check(args, scale, **tiling):
     out = jax.jit(lambda *a: sparse_decode(*a, scale=scale, impl="tilelang", **tiling))(*args)
     ref = sparse_decode_ref(*[a.astype(jnp.float32) if a.dtype == BF16 else a for a in args], scale)
@@ -154,7 +139,7 @@ def _check(args, scale, **tiling):
 )
 def test_tilelang_matches_ref_odd_shapes(block_s, stages, warps, nsplit):
     """b 3, W 100, T 77, C 300: neither W nor T is a multiple of block_s; 128 heads = 2 head groups."""
-    args = _inputs(block_s + nsplit, 3, 128, 512, 100, 300, 77)
+    args = sparse_decode_inputs(block_s + nsplit, 3, 128, 512, 100, 300, 77)
     _check(args, 512**-0.5, block_s=block_s, num_stages=stages, num_warps=warps, nsplit=nsplit)
 
 
@@ -174,7 +159,7 @@ def test_tilelang_matches_ref_odd_shapes(block_s, stages, warps, nsplit):
 )
 def test_tilelang_matches_ref_benchmark_shape(b, nsplit, block_s, warps):
     """The benchmark's shape (h 64, k 512, W 128, C 2048, T 512) with the split counts the sweep times."""
-    args = _inputs(b + nsplit, b, 64, 512, 128, 2048, 512)
+    args = sparse_decode_inputs(b + nsplit, b, 64, 512, 128, 2048, 512)
     _check(args, 512**-0.5, block_s=block_s, num_stages=2, num_warps=warps, nsplit=nsplit)
 
 
@@ -182,7 +167,7 @@ def test_tilelang_matches_ref_benchmark_shape(b, nsplit, block_s, warps):
 @pytest.mark.gpu
 def test_tilelang_large_logits_and_ring_129():
     """Scores far above the sink (the sink's term underflows) and the model's ring of R + 1 = 129 slots."""
-    args = list(_inputs(5, 4, 64, 512, 129, 1000, 512))
+    args = list(sparse_decode_inputs(5, 4, 64, 512, 129, 1000, 512))
     args[0] = args[0] * 16  # logits ~ N(0, 16^2): far above the sink, exp without the max would overflow
     _check(args, 512**-0.5, block_s=64, num_stages=2, num_warps=8, nsplit=1)
     _check(args, 512**-0.5, block_s=64, num_stages=2, num_warps=8, nsplit=4)
@@ -211,7 +196,7 @@ def test_auto_takes_tilelang_default_tiling(monkeypatch):
     monkeypatch.setattr(
         sparse_attn_tilelang, "sparse_decode_tilelang", lambda *a: used.append(a[-1]) or run(*a)
     )
-    args = _inputs(9, 8, 64, 512, 129, 700, 300)
+    args = sparse_decode_inputs(9, 8, 64, 512, 129, 700, 300)
     out = jax.jit(lambda *a: sparse_decode(*a, scale=512**-0.5, impl="auto"))(*args)
     ref = sparse_decode_ref(*[a.astype(jnp.float32) if a.dtype == BF16 else a for a in args], 512**-0.5)
     assert used == [sparse_attn_tilelang.default_tiling(8, 64, 512, 129, 300)], used
