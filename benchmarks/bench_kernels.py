@@ -166,6 +166,7 @@ def run(
     small: bool = False,
     only: tuple[str, ...] = ("attn", "index", "topk", "moe", "fp8"),
     attn_batches: tuple[int, ...] = (64, 8),
+    attn_sweep: bool = True,
 ):
     dev = jax.devices()[0]
     rows, errors = [], []
@@ -253,6 +254,7 @@ def run(
             triton = (
                 [(32, 64, 8, 2, 1), (64, 32, 8, 2, 4)] if b == 64 else [(64, 32, 8, 2, 4), (16, 32, 4, 2, 8)]
             )
+            triton = triton if attn_sweep else []
             for bh, bs, nw, st, ns in triton:
                 record(
                     "sparse_decode",
@@ -275,7 +277,7 @@ def run(
                     check,
                 )
             # TileLang: all 64 heads of a row per CTA (block_s keys per step, stages, warps, splits per row)
-            tilelang = TILELANG_B64 if b == 64 else TILELANG_B8
+            tilelang = (TILELANG_B64 if b == 64 else TILELANG_B8) if attn_sweep else []
             for bs, st, nw, ns in tilelang if not small else []:
                 record(
                     "sparse_decode",
@@ -302,7 +304,7 @@ def run(
                 tr,
                 check,
             )
-            if b == 64 and not small:
+            if b == 64 and not small and attn_sweep:
                 attn_ceilings(record, sets, scale, flops, nbytes, shape, tr, check)
 
     if "index" in only:
@@ -462,11 +464,20 @@ if __name__ == "__main__":
     ap.add_argument("--small", action="store_true", help="tiny shapes: a smoke run of the script on CPU")
     ap.add_argument("--attn-batches", default="64,8", help="batch sizes of the attn section")
     ap.add_argument(
+        "--attn-default-only",
+        action="store_true",
+        help="attn section: only XLA's reference and the default tiling (no variant sweep, no ceilings)",
+    )
+    ap.add_argument(
         "--only",
         default="attn,index,topk,moe,fp8",
         help="comma list of sections: attn (sparse decode attention), index (indexer scores + top-k), topk, moe, fp8",
     )
     args = ap.parse_args()
     run(
-        args.out, args.small, tuple(args.only.split(",")), tuple(int(b) for b in args.attn_batches.split(","))
+        args.out,
+        args.small,
+        tuple(args.only.split(",")),
+        tuple(int(b) for b in args.attn_batches.split(",")),
+        not args.attn_default_only,
     )

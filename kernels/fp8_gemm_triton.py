@@ -32,9 +32,10 @@ class Fp8Config(GemmConfig):
 
 DEFAULT_CFG = Fp8Config(block_m=128, block_n=128, block_k=128, num_warps=8, num_stages=4)
 # m = 64, n = 4096, k = 7168 on the H200 (bench_kernels' fp8 section): 128 x 128 tiles give 32 programs
-# on 132 SMs, 31.9 us; 64 x 64 tiles with K split four ways (256 programs, 14 of the 56 K blocks each)
-# 13.2 us = 56% of copy bandwidth, against 14.6 us split two ways, 21.1 us unsplit and XLA's per-tensor
-# FP8 dot at 14.7 us. BLOCK_M 64 is the smallest wgmma tile (M < 64 falls back to mma.sync).
+# on 132 SMs, 31.7 us; 64 x 64 tiles with K split four ways (256 programs, 14 of the 56 K blocks each)
+# 12.9 us (11.0 kernel + 1.9 sum) = 58% of copy bandwidth, against 14.0 us split two ways, 18.5 us unsplit
+# and XLA's per-tensor FP8 dot at 13.9 us (results/kernels_h200_fp8_scales.json). BLOCK_M 64 is the
+# smallest wgmma tile (M < 64 falls back to mma.sync).
 DECODE_CFG = Fp8Config(block_m=64, block_n=64, block_k=128, num_warps=4, num_stages=6, split_k=4)
 
 
@@ -94,18 +95,24 @@ def fp8_gemm_kernel(
     as_ptrs = as_ptr + src * KB
     bs_ptrs = bs_ptr + (g.to(tl.int64) * NB + (pid_n * BLOCK_N) // BK) * KB
     acc = tl.zeros([BLOCK_M, BLOCK_N], tl.float32)
+    # The scales are read one K block ahead, by hand: Triton pipelines only the loads that feed the dot, and
+    # a scale read in its own iteration stalled every step on a memory round trip (a quarter of the m = 64
+    # kernel's stall samples on the H200). Past the last K block the a and b tiles load as zeros, so any
+    # finite scale will do: the last block's, which keeps the scale reads in bounds without a mask.
+    kbs = tl.minimum(kb0, KB - 1)
+    sa = tl.load(as_ptrs + kbs, mask=live, other=0.0)
+    sb = tl.load(bs_ptrs + kbs)
     for i in range(0, KBS):
         kb = kb0 + i
         k_ok = kb * BK + rk < K  # false for the whole block when kb >= KB
         a = tl.load(a_ptrs, mask=live[:, None] & k_ok[None, :], other=0.0)
         b = tl.load(b_ptrs, mask=n_ok[:, None] & k_ok[None, :], other=0.0)
-        # past the last K block the a and b tiles load as zeros, so any finite scale will do: the last
-        # block's, which keeps the scale reads in bounds without a mask
-        kbs = tl.minimum(kb, KB - 1)
-        sa = tl.load(as_ptrs + kbs, mask=live, other=0.0)
-        sb = tl.load(bs_ptrs + kbs)
+        kbs = tl.minimum(kb + 1, KB - 1)
+        sa_next = tl.load(as_ptrs + kbs, mask=live, other=0.0)
+        sb_next = tl.load(bs_ptrs + kbs)
         part = tl.dot(a, tl.trans(b))
         acc += part * (sa * sb)[:, None]
+        sa, sb = sa_next, sb_next
         a_ptrs += BK
         b_ptrs += BK
     tl.store(

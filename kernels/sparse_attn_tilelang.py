@@ -80,7 +80,7 @@ def _blocks(w: int, t: int, block_s: int) -> tuple[int, int]:
 def shared_bytes(k: int, w: int, t: int, tiling: Tiling) -> int:
     """Shared memory the program asks for: q, the key ring, P, the per-slot row table (static shared)."""
     nbw, nbt = _blocks(w, t, tiling.block_s)
-    extra = 2 * 4 * HEADS if tiling.ws else 0  # the warp-specialised program's alpha and l tables
+    extra = 2 * 4 * HEADS if tiling.ws else 0  # the warp-specialised program's alpha and 1 / l tables
     return (
         2 * (HEADS * k + tiling.stages * tiling.block_s * k + HEADS * tiling.block_s)
         + 4 * ((nbw + nbt) * tiling.block_s)
@@ -172,6 +172,20 @@ def _softmax_step(bs: int, qk: float):
     return softmax_step
 
 
+def _reciprocal():
+    """A macro writing inv = 1 / l per head, 0 where l = 0 (a split with no live key). The outputs are
+    scaled by it: one division per head instead of one per output element, whose IEEE division code
+    (a slow-path branch per element) made the epilogue longer than the whole key loop on the H200."""
+    import tilelang.language as T
+
+    @T.macro
+    def reciprocal(l, inv):
+        for hh in T.Parallel(HEADS):
+            inv[hh] = T.if_then_else(l[hh] > 0, 1.0 / l[hh], 0.0)
+
+    return reciprocal
+
+
 def _entry(b: int, h: int, k: int, w: int, c: int, t: int, nb: int, nsplit: int, threads: int, plain, split):
     """Either program's entry point, parameters as in `_OPERANDS` and `_RESULTS` (TileLang needs one
     function per signature): grid (b, h / 64) running the macro `plain(bx, by, *operands, out)`, or, with
@@ -232,7 +246,7 @@ def cuda_program(b: int, h: int, k: int, w: int, c: int, t: int, scale: float, t
     nbw, nbt = _blocks(w, t, bs)
     nb = nbw + nbt
     qk = float(scale) * _LOG2E  # softmax in base 2
-    fill_rows, softmax_step = _row_table(w, c, t, bs), _softmax_step(bs, qk)
+    fill_rows, softmax_step, reciprocal = _row_table(w, c, t, bs), _softmax_step(bs, qk), _reciprocal()
     bf16, f32, i32 = "bfloat16", "float32", "int32"
     policy = T.GemmWarpPolicy.FullCol  # warpgroups split the columns: M is one wgmma tile of 64 heads
 
@@ -294,14 +308,18 @@ def cuda_program(b: int, h: int, k: int, w: int, c: int, t: int, scale: float, t
 
     @T.macro
     def finish_out(out, bx, by, acc, m, l):
+        inv = T.alloc_fragment((HEADS,), f32)
+        reciprocal(l, inv)
         for hh, d in T.Parallel(HEADS, k):
-            acc[hh, d] /= l[hh]  # l >= 1: the sink's own term
+            acc[hh, d] *= inv[hh]
         T.copy(acc, out[bx, by * HEADS, 0])
 
     @T.macro
     def finish_split(part, lse, bx, by, bz, acc, m, l):
+        inv = T.alloc_fragment((HEADS,), f32)
+        reciprocal(l, inv)
         for hh, d in T.Parallel(HEADS, k):
-            acc[hh, d] = T.if_then_else(l[hh] > 0, acc[hh, d] / l[hh], 0.0)
+            acc[hh, d] *= inv[hh]
         for hh in T.Parallel(HEADS):
             lse[bx, bz, by * HEADS + hh] = T.if_then_else(l[hh] > 0, m[hh] + T.log2(l[hh]), -T.infinity(f32))
         T.copy(acc, part[bx, bz, by * HEADS, 0])
@@ -341,19 +359,18 @@ def ws_program(b: int, h: int, k: int, w: int, c: int, t: int, scale: float, til
     nb = nbw + nbt
     kh = k // 2
     qk = float(scale) * _LOG2E
-    fill_rows, softmax_step = _row_table(w, c, t, bs), _softmax_step(bs, qk)
+    fill_rows, softmax_step, reciprocal = _row_table(w, c, t, bs), _softmax_step(bs, qk), _reciprocal()
     bf16, f32, i32 = "bfloat16", "float32", "int32"
 
     @T.macro
-    def finish(out, lse, bx, by, bz, d0, acc, l):
-        """One warpgroup's half of the value columns: normalised, to the output or the split's partial."""
+    def finish(out, bx, by, bz, d0, acc, inv):
+        """One warpgroup's half of the value columns: normalised (inv = 1 / l), to the output or the split's
+        partial."""
+        for hh, d in T.Parallel(HEADS, kh):
+            acc[hh, d] *= inv[hh]
         if nsplit == 1:
-            for hh, d in T.Parallel(HEADS, kh):
-                acc[hh, d] /= l[hh]  # l >= 1: the sink's own term
             T.copy(acc, out[bx, by * HEADS, d0])
         else:
-            for hh, d in T.Parallel(HEADS, kh):
-                acc[hh, d] = T.if_then_else(l[hh] > 0, acc[hh, d] / l[hh], 0.0)
             T.copy(acc, out[bx, bz, by * HEADS, d0])
 
     @T.macro
@@ -364,7 +381,7 @@ def ws_program(b: int, h: int, k: int, w: int, c: int, t: int, scale: float, til
         k_r = T.alloc_shared((ns, bs, kh), bf16)
         p_s = T.alloc_shared((HEADS, bs), bf16)
         alpha_s = T.alloc_shared((HEADS,), f32, scope="shared")
-        l_s = T.alloc_shared((HEADS,), f32, scope="shared")
+        inv_s = T.alloc_shared((HEADS,), f32, scope="shared")
         rows = T.alloc_shared((nb * bs,), i32, scope="shared")
         s = T.alloc_fragment((HEADS, bs), f32)
         acc_l = T.alloc_fragment((HEADS, kh), f32)
@@ -374,11 +391,12 @@ def ws_program(b: int, h: int, k: int, w: int, c: int, t: int, scale: float, til
         l = T.alloc_fragment((HEADS,), f32)
         rsum = T.alloc_fragment((HEADS,), f32)
         alpha = T.alloc_fragment((HEADS,), f32)
+        inv = T.alloc_fragment((HEADS,), f32)
         ready = T.alloc_barrier([128] * ns)  # the producer's 128 threads, one cp.async arrive each
         free = T.alloc_barrier([256] * ns)  # both consumer warpgroups
         p_ready = T.alloc_barrier(128)  # softmax warpgroup: P and alpha written
         p_free = T.alloc_barrier(128)  # right warpgroup: done reading P and alpha
-        l_ready = T.alloc_barrier(128)  # softmax warpgroup: final denominators written
+        l_ready = T.alloc_barrier(128)  # softmax warpgroup: final 1 / l written
         tx = T.get_thread_binding()
 
         fill_rows(rows, bx, valid, topk)
@@ -442,9 +460,10 @@ def ws_program(b: int, h: int, k: int, w: int, c: int, t: int, scale: float, til
                 T.barrier_arrive(p_ready)
                 T.gemm(p_s, k_l[st, :, :], acc_l)
                 T.barrier_arrive(free[st])
-            T.copy(l, l_s)
+            reciprocal(l, inv)
+            T.copy(inv, inv_s)
             T.barrier_arrive(l_ready)
-            finish(out, lse, bx, by, bz, 0, acc_l, l)
+            finish(out, bx, by, bz, 0, acc_l, inv)
             if nsplit > 1:
                 for hh in T.Parallel(HEADS):
                     lse[bx, bz, by * HEADS + hh] = T.if_then_else(
@@ -462,7 +481,7 @@ def ws_program(b: int, h: int, k: int, w: int, c: int, t: int, scale: float, til
                 T.barrier_arrive(p_free)
                 T.barrier_arrive(free[st])
             T.barrier_wait(l_ready, 0)
-            finish(out, lse, bx, by, bz, kh, acc_r, l_s)
+            finish(out, bx, by, bz, kh, acc_r, inv_s)
 
     @T.macro
     def plain(bx, by, q, win, valid, pool, topk, sinks, out):
@@ -521,15 +540,14 @@ def cuda_kernel(b: int, h: int, k: int, w: int, c: int, t: int, scale: float, ti
 def default_tiling(b: int, h: int, k: int, w: int, t: int) -> Tiling | None:
     """The tiling `impl="auto"` uses, or None where the kernel does not apply (then Triton runs).
 
-    From the H200 sweeps (benchmarks/results/kernels_h200*.json): the warp-specialised program with 64-key
-    steps in 2 stages; one CTA per row once the rows alone give 64+ CTAs (b64: 36.3 us against 37.6 with 2
-    splits and 38.2 for the 8-warp program's best), else enough splits that the grid covers the 132 SMs
-    about once (b8: 10 splits, 21.0 us; the 8-warp program 20.9). Where the warp-specialised program does
-    not apply, the 8-warp one with the same splits.
+    From the H200 sweeps (benchmarks/results/kernels_h200_attn_epilogue.json): the warp-specialised program
+    with 64-key steps in 2 stages, split so that the grid covers the 132 SMs about once (b64: 2 splits,
+    32.4 us against 34.5 with one CTA per row; b8: 10 splits, 15.5 us, the 8-warp program 16.6). Where the
+    warp-specialised program does not apply, the 8-warp one with the same splits.
     """
     nb = sum(_blocks(w, t, 64))
     ctas = b * max(h // HEADS, 1)
-    nsplit = 1 if ctas >= 64 else max(1, min(nb, round(132 / ctas)))
+    nsplit = max(1, min(nb, round(132 / ctas)))
     for threads in (384, 256):
         tiling = Tiling(64, 2, threads, nsplit)
         try:

@@ -128,3 +128,26 @@ def test_kernel_operands_cast_and_reject_inconsistent_shapes():
         kernel_operands(q, win, valid, pool, top[:1], sinks)
     with pytest.raises(ValueError, match="sinks"):
         kernel_operands(q, win, valid, pool, top, sinks[:2])
+
+
+@pytest.mark.parametrize("n", [1, 2, 5])
+def test_combine_splits_matches_softmax_weighting(n):
+    """The split merge against numpy: each split's output weighted by its share of the total mass
+    2^lse_i / sum_j 2^lse_j; a split with no mass (lse -inf) contributes nothing; jnp and torch agree."""
+    import torch
+
+    from djax.kernels.sparse_attn_ref import combine_splits
+
+    rng = np.random.default_rng(n)
+    part = rng.standard_normal((3, n, 4, 16)).astype(np.float32)
+    lse = (rng.standard_normal((3, n, 4)) * 4).astype(np.float32)
+    if n > 1:
+        lse[1, 1:, 2] = -np.inf  # row 1, head 2: only split 0 (the sink's) has mass
+    mass = np.exp2(lse.astype(np.float64))
+    want = (mass[..., None] * part).sum(1) / mass.sum(1)[..., None]
+    got = combine_splits(jnp.asarray(part), jnp.asarray(lse))
+    assert_close(np.asarray(got), want, 1e-6)
+    via_torch = combine_splits(torch.from_numpy(part), torch.from_numpy(lse), torch)
+    assert_close(via_torch.numpy(), want, 1e-6)
+    if n > 1:
+        np.testing.assert_allclose(np.asarray(got)[1, 2], part[1, 0, 2], rtol=1e-6)

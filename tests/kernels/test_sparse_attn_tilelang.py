@@ -178,7 +178,8 @@ def test_default_tiling_covers_the_sms_once_and_declines_other_heads():
     from djax.kernels.sparse_attn_tilelang import default_tiling
 
     b64, b8 = default_tiling(64, 64, 512, 128, 512), default_tiling(8, 64, 512, 128, 512)
-    assert (b64.block_s, b64.threads, b64.nsplit) == (64, 384, 1)  # warp-specialised, a CTA per row
+    assert (b64.block_s, b64.threads, b64.nsplit) == (64, 384, 2)  # warp-specialised, 128 CTAs
+    assert default_tiling(128, 64, 512, 128, 512).nsplit == 1  # 128 rows fill the SMs alone
     assert b8.threads == 384 and b8.nsplit == 10  # every one of the 10 key blocks its own CTA: 80 CTAs
     assert default_tiling(1, 64, 512, 129, 1).nsplit == 4  # a sliding layer: 3 ring blocks + 1 pick block
     assert default_tiling(4, 64, 1024, 128, 512) is None  # head dim over 512: neither program applies
