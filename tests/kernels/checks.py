@@ -12,6 +12,22 @@ needs_triton_interp = pytest.mark.skipif(
     importlib.util.find_spec("triton") is None or os.environ.get("TRITON_INTERPRET") != "1",
     reason="needs triton with TRITON_INTERPRET=1 (CPU)",
 )
+needs_tilelang = pytest.mark.skipif(
+    importlib.util.find_spec("tilelang") is None, reason="needs tilelang (pip install tilelang==0.1.15)"
+)
+
+
+def ascend_backend_missing() -> str | None:
+    """Why TileLang cannot lower to AscendC here, or None. Mainline wheels (0.1.15) ship the Ascend target;
+    a build without it says so."""
+    import tilelang
+    from tilelang import tvm
+
+    if not hasattr(tilelang, "ascend"):
+        return f"tilelang {tilelang.__version__} has no tilelang.ascend package"
+    if tvm.get_global_func("target.build.tilelang_ascend_without_compile", allow_missing=True) is None:
+        return "tilelang was built without its Ascend codegen (USE_ASCEND=OFF)"
+    return None
 
 
 def assert_close(out, ref, rtol: float):

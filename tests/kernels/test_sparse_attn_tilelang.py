@@ -1,27 +1,24 @@
 """The TileLang sparse decode kernel: CUDA lowering (pointer-only parameters, launch shape, cp.async + wgmma),
-the sm_90a cubin, clear errors for unsupported shapes, and (GPU) values against sparse_decode_ref.
+the sm_90a cubin, clear errors for unsupported shapes, the AscendC lowering, and (GPU) values against
+sparse_decode_ref.
 
 Skips where tilelang (not in the `test` extra's minimal install) or nvcc is missing. Lowering takes a few
 seconds per program, so the CPU tests lower few programs and share them through `lower_cuda`'s cache here.
 """
 
 import functools
-import importlib.util
 import shutil
 
 import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
-from checks import assert_close, sparse_decode_inputs
+from checks import ascend_backend_missing, assert_close, needs_tilelang, sparse_decode_inputs
 
 from djax.ffi import build
 from djax.kernels.sparse_attn import sparse_decode
 from djax.kernels.sparse_attn_ref import sparse_decode_ref
 
-needs_tilelang = pytest.mark.skipif(
-    importlib.util.find_spec("tilelang") is None, reason="needs tilelang (pip install tilelang==0.1.15)"
-)
 needs_nvcc = pytest.mark.skipif(
     build.cuda_include() is None or shutil.which("nvcc") is None, reason="needs nvcc"
 )
@@ -225,3 +222,44 @@ def test_lowering_is_kept_on_disk(tmp_path, monkeypatch):
     tl._lowered_on_disk(*shape, 0.125, tiling)
     tl._lowered_on_disk(*shape, 0.0625, tl.Tiling(64, 2, 384, 2))
     assert len(calls) == 3 and len(list((tmp_path / "tilelang").glob("sparse_decode-*.json"))) == 3
+
+
+@needs_tilelang
+def test_ascend_lowering_emits_ascendc():
+    """TileLang's "ascend" target lowers the sparse decode to one mixed AscendC kernel (no NPU or bisheng
+    here: the source is what can be checked). Odd shapes: W and T not multiples of the 64-key block, 128
+    heads (two tasks per row). The Cube side gathers key rows by index (pool rows from `topk`) into L1, once
+    as K and once transposed, runs both GEMMs and sends S and P V to the Vector units' buffers; the Vector
+    side writes P back to L1 and stores the output."""
+    if reason := ascend_backend_missing():
+        pytest.skip(reason)
+    from djax.kernels.sparse_attn_ascend import ascend_source, check_shapes
+
+    b, h, k, w, c, t = 3, 128, 512, 100, 300, 77
+    src = ascend_source(b, h, k, w, c, t, k**-0.5)
+    assert "tl_templates/ascend" in src
+    entry = src[src.index('extern "C" __global__') :]
+    params = entry[entry.index("sparse_decode_kernel(") : entry.index("{")]
+    for decl in (
+        "bfloat16_t* q",
+        "bfloat16_t* window",
+        "int32_t* valid",
+        "bfloat16_t* pool",
+        "int32_t* topk",
+    ):
+        assert f"__gm__ {decl}" in params, params
+    assert "__gm__ float* sinks" in params and "__gm__ bfloat16_t* out" in params
+    cube, vector = entry[entry.index("ASC_IS_AIC") :], entry[entry.index("ASC_IS_AIV") :]
+    cube = cube[: cube.index("ASC_IS_AIV")] if "ASC_IS_AIV" in cube else cube
+    assert f"ascend_gemm_l1<64, {k}, 64," in cube  # S = Q K^T: M 64 heads, K the head dim, N 64 keys
+    assert f"ascend_gemm_l1<64, 64, {k}," in cube  # P V: K 64 keys, N the head dim
+    assert "topk[" in cube and "asc_copy_gm2l1_nd2nz" in cube and "asc_copy_gm2l1_dn2nz" in cube
+    assert f"min(((g * 64) + r), {w - 1})" in cube  # ring rows past W clamp to the last row (masked)
+    assert f"{c - 1}), 0)" in cube  # picks clamp into [0, C)
+    assert cube.count("asc_copy_l0c2ub") == 2  # S and P V to the two Vector units (the Cube's fixpipe)
+    assert "asc_copy_ub2l1" in vector and "asc_copy_ub2gm" in vector  # P to the Cube, the output out
+    assert "exp2f" in src
+    with pytest.raises(ValueError, match="multiple of 64"):
+        check_shapes(32, k, w, c, t, 64)
+    with pytest.raises(ValueError, match="multiples of 16"):
+        check_shapes(64, 520, w, c, t, 64)

@@ -4,19 +4,18 @@ Two CUDA variants: "pointer" (cp.async, raw pointers, ffi/csrc/cubin_launch.cc) 
 specialisation; its CUtensorMap parameters are encoded per call by ffi/csrc/tma_launch.cc from a plan that
 djax.ffi.tma reads off TileLang's host module).
 
-TileLang is not in the `test` extra (a 50 MB wheel pulling torch, z3 and TVM's FFI): these tests skip where it
-is not installed. `pip install tilelang==0.1.15` (the version gpu-carry.sh packs) enables them.
+TileLang 0.1.15 (the version gpu-carry.sh packs) is in the `test` extra; these tests skip where it is not
+installed.
 """
 
 import functools
-import importlib.util
 import shutil
 
 import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
-from checks import assert_close
+from checks import ascend_backend_missing, assert_close, needs_tilelang
 
 from djax.ffi import build
 from djax.kernels.fp8_gemm_ref import fp8_gemm_ref, quantize_act, quantize_weight
@@ -26,21 +25,6 @@ needs_nvcc = pytest.mark.skipif(
     build.cuda_include() is None or shutil.which("nvcc") is None, reason="needs nvcc and cuda.h"
 )
 needs_cuda_h = pytest.mark.skipif(build.cuda_include() is None, reason="needs CUDA's cuda.h")
-needs_tilelang = pytest.mark.skipif(
-    importlib.util.find_spec("tilelang") is None, reason="needs tilelang (pip install tilelang==0.1.15)"
-)
-
-
-def _ascend_backend_missing() -> str | None:
-    """Mainline TileLang wheels (0.1.15 here) ship the Ascend target; a build without it says why not."""
-    import tilelang
-    from tilelang import tvm
-
-    if not hasattr(tilelang, "ascend"):
-        return f"tilelang {tilelang.__version__} has no tilelang.ascend package"
-    if tvm.get_global_func("target.build.tilelang_ascend_without_compile", allow_missing=True) is None:
-        return "tilelang was built without its Ascend codegen (USE_ASCEND=OFF)"
-    return None
 
 
 @needs_tilelang
@@ -245,7 +229,7 @@ def test_ws_new_cubins_for_sm90_without_a_gpu(tmp_path, monkeypatch, tiling):
 @needs_tilelang
 def test_ascend_lowering_emits_ascendc():
     """TileLang's "ascend" target lowers the program to AscendC source (bisheng, absent here, compiles it)."""
-    if reason := _ascend_backend_missing():
+    if reason := ascend_backend_missing():
         pytest.skip(reason)
     from djax.kernels.fp8_gemm_tilelang import ascend_source
 
