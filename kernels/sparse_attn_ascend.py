@@ -31,7 +31,9 @@ def check_shapes(h: int, k: int, w: int, c: int, t: int, block_s: int) -> None:
     if h % HEADS:
         raise ValueError(f"the Ascend sparse decode needs heads a multiple of {HEADS}, got {h}")
     if k % 16 or block_s % 16:
-        raise ValueError(f"head dim and block_s must be multiples of 16 (the Cube's fractal), got {k}, {block_s}")
+        raise ValueError(
+            f"head dim and block_s must be multiples of 16 (the Cube's fractal), got {k}, {block_s}"
+        )
     if min(w, c, t) < 1:
         raise ValueError(f"need W, C, T >= 1, got W={w} C={c} T={t}")
 
