@@ -16,14 +16,8 @@ kernels they are not zero-filled, so a non-finite value stored in such a row wou
 in the reference.
 """
 
-import math
-
-HEADS = 64  # Cube M: one task is 64 heads of one row
-_LOG2E = math.log2(math.e)
-
-
-def _blocks(w: int, t: int, block_s: int) -> tuple[int, int]:
-    return -(-w // block_s), -(-t // block_s)
+from djax.kernels.fp8_gemm_tilelang import _lower
+from djax.kernels.sparse_attn_tilelang import _LOG2E, HEADS, _blocks  # HEADS: the Cube's M, 64 heads a task
 
 
 def check_shapes(h: int, k: int, w: int, c: int, t: int, block_s: int) -> None:
@@ -146,6 +140,4 @@ def ascend_source(
     b: int, h: int, k: int, w: int, c: int, t: int, scale: float, block_s: int = 64, cores: int = 32
 ) -> str:
     """AscendC source of the program (TileLang's "ascend" target; compiling it needs CANN's bisheng)."""
-    from djax.kernels.fp8_gemm_tilelang import _lower
-
     return _lower(ascend_program(b, h, k, w, c, t, scale, block_s, cores), {"kind": "ascend"}).kernel_source
