@@ -34,10 +34,16 @@ BF16 = jnp.bfloat16
 COPY_BW = 4.3e12  # measured device copy bandwidth on the lent H200 (bytes read + written per second)
 BF16_RATE = 790e12  # measured dense bf16 matmul rate on the lent H200
 FP8_PEAK = 1979e12  # H200 spec sheet, dense fp8: the ceiling for the fp8 kernels' FLOPs
-# TileLang sparse decode tilings (block_s, stages, warps, splits per row) worth timing at batch 64 and 8
-# (12 warps: the warp-specialised program)
-TILELANG_B64 = [(64, 2, 8, 2), (64, 2, 12, 1), (64, 2, 12, 2), (32, 4, 12, 1), (32, 4, 12, 2), (32, 3, 12, 2)]
-TILELANG_B8 = [(64, 2, 8, 10), (64, 2, 12, 10), (64, 2, 12, 5), (32, 4, 12, 10), (32, 4, 12, 20)]
+# TileLang sparse decode tilings (block_s, stages, warps, splits per row, merged in the kernel) worth timing
+# at batch 64 and 8 (12 warps: the warp-specialised program)
+TILELANG_B64 = [
+    (64, 2, 12, 1, False),
+    (64, 2, 12, 2, False),
+    (64, 2, 12, 2, True),
+    (64, 2, 12, 3, True),
+    (32, 4, 12, 2, True),
+]
+TILELANG_B8 = [(64, 2, 12, 10, False), (64, 2, 12, 8, True), (64, 2, 12, 5, True)]
 
 
 def bench(fn, sets, reps: int = 7, trace: bool = False):
@@ -278,13 +284,20 @@ def run(
                 )
             # TileLang: all 64 heads of a row per CTA (block_s keys per step, stages, warps, splits per row)
             tilelang = (TILELANG_B64 if b == 64 else TILELANG_B8) if attn_sweep else []
-            for bs, st, nw, ns in tilelang if not small else []:
+            for bs, st, nw, ns, merge in tilelang if not small else []:
                 record(
                     "sparse_decode",
                     shape,
-                    f"tilelang bs{bs} st{st} w{nw} split{ns}",
-                    lambda *a, bs=bs, st=st, nw=nw, ns=ns: sparse_decode(
-                        *a, scale=scale, impl="tilelang", block_s=bs, num_stages=st, num_warps=nw, nsplit=ns
+                    f"tilelang bs{bs} st{st} w{nw} split{ns}" + (" merged" if merge else ""),
+                    lambda *a, bs=bs, st=st, nw=nw, ns=ns, merge=merge: sparse_decode(
+                        *a,
+                        scale=scale,
+                        impl="tilelang",
+                        block_s=bs,
+                        num_stages=st,
+                        num_warps=nw,
+                        nsplit=ns,
+                        merge_splits=merge,
                     ),
                     sets,
                     flops,

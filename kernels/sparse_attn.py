@@ -23,6 +23,7 @@ def sparse_decode(
     num_warps: int = 8,
     num_stages: int = 1,
     nsplit: int = 1,
+    merge_splits: bool = False,
 ):
     """Decode attention over the SWA ring plus top-k picks from the compressed pool, K = V, with sinks.
 
@@ -36,7 +37,9 @@ def sparse_decode(
     impl="tilelang" (sm_90a; q bf16, h a multiple of 64): one CTA per (row, 64 heads, split) with
     `num_warps` * 32 threads (8 or 16 warps; 12 runs the warp-specialised program, block_s 32 or 64),
     `block_s` keys per step (16/32/64/128) and `num_stages`
-    shared key buffers (below 2 is read as 2); `block_h` is ignored. Unsupported shapes raise ValueError.
+    shared key buffers (below 2 is read as 2); `block_h` is ignored. `merge_splits` (12 warps, 2 to 8
+    splits): the splits of a row run as one thread-block cluster and merge inside the kernel instead of
+    through f32 partials merged after. Unsupported shapes raise ValueError.
     """
     if impl == "auto" and q.dtype == jnp.bfloat16 and on_cuda() and has_tilelang():
         from djax.kernels.sparse_attn_tilelang import default_tiling
@@ -44,14 +47,16 @@ def sparse_decode(
         tiling = default_tiling(q.shape[0], q.shape[1], q.shape[2], window.shape[1], topk.shape[1])
         if tiling is not None:
             impl, block_s, num_stages, nsplit = "tilelang", tiling.block_s, tiling.stages, tiling.nsplit
-            num_warps = tiling.threads // 32
+            num_warps, merge_splits = tiling.threads // 32, tiling.merge
     impl = resolve(impl, ("ref", "triton", "tilelang"))
+    if merge_splits and impl == "triton":
+        raise ValueError("merge_splits is a TileLang option: the Triton kernel merges its splits after")
     if impl == "ref":
         return sparse_decode_ref(q, window, window_valid, pool, topk, sinks, scale)
     if impl == "tilelang":
         from djax.kernels.sparse_attn_tilelang import Tiling, sparse_decode_tilelang
 
-        tiling = Tiling(block_s, max(num_stages, 2), 32 * num_warps, nsplit)
+        tiling = Tiling(block_s, max(num_stages, 2), 32 * num_warps, nsplit, merge_splits)
         return sparse_decode_tilelang(q, window, window_valid, pool, topk, sinks, scale, tiling)
     return _triton(
         q, window, window_valid, pool, topk, sinks, scale, block_h, block_s, num_warps, num_stages, nsplit
@@ -87,9 +92,9 @@ def _triton(
     return combine_splits(part, lse).astype(q.dtype)
 
 
-def kernel_operands(q, window, window_valid, pool, topk, sinks) -> list:
-    """The kernels' operands in launch order: keys in q's dtype, int32 validity and picks, f32 sinks.
-    Raises ValueError for inconsistent shapes."""
+def kernel_operands(q, window, window_valid, pool, topk, sinks, valid_dtype=jnp.int32) -> list:
+    """The kernels' operands in launch order: keys in q's dtype, validity as `valid_dtype`, int32 picks,
+    f32 sinks. Raises ValueError for inconsistent shapes."""
     b, h, k = q.shape
     w, t = window.shape[1], topk.shape[1]
     if window.shape != (b, w, k) or pool.shape[::2] != (b, k) or window_valid.shape != (b, w):
@@ -99,7 +104,7 @@ def kernel_operands(q, window, window_valid, pool, topk, sinks) -> list:
     return [
         q,
         window.astype(q.dtype),
-        window_valid.astype(jnp.int32),
+        window_valid.astype(valid_dtype),
         pool.astype(q.dtype),
         topk.astype(jnp.int32),
         sinks.astype(jnp.float32),

@@ -12,7 +12,8 @@ Contract: `sparse_attn_ref.sparse_decode_ref`. Why this shape of kernel (see NOT
   thread with 2 warpgroups). Online softmax in base 2 with the sink seeding the running max and denominator.
 - Batch 64 is only 64 CTAs on 132 SMs and small batches far fewer, so `nsplit` > 1 gives each row `nsplit`
   CTAs over balanced ranges of key blocks (flash decoding); they write f32 partial outputs and base-2
-  log-sum-exps that `sparse_attn_ref.combine_splits` merges in jnp.
+  log-sum-exps that `sparse_attn_ref.combine_splits` merges in jnp, or (`Tiling.merge`, warp-specialised
+  program) the splits of a row form a thread-block cluster and merge in the kernel after a cluster barrier.
 `ws_program` is the warp-specialised form (12 warps: a producer warpgroup and two consumers handing off
 through mbarriers, no CTA-wide barriers in the loop), the default where it applies. Neither uses TMA, so
 the kernel's parameters stay the plain device pointers that `ffi/csrc/cubin_launch.cc` passes (operands in
@@ -40,18 +41,22 @@ _ASYNC = {"parallel_async_without_async_commit_wait": True}  # cp.async without 
 _SMEM_LIMIT = 227 * 1024
 # The device function's parameters come out sorted by name, so these names spell the launcher's order.
 _OPERANDS = ("p0_q", "p1_window", "p2_valid", "p3_pool", "p4_topk", "p5_sinks")
-_RESULTS = {1: ("p6_out",), 2: ("p6_part", "p7_lse")}
+_RESULTS = {"plain": ("p6_out",), "split": ("p6_part", "p7_lse"), "merge": ("p6_out", "p7_part", "p8_lse")}
+_MAX_CLUSTER = 8  # the portable thread-block cluster size
 
 
 @dataclass(frozen=True)
 class Tiling:
     """block_s keys per pipeline step, `stages` shared key buffers, threads per CTA (128 per warpgroup),
-    nsplit CTAs per (row, 64-head group)."""
+    nsplit CTAs per (row, 64-head group). Every split writes its partial; merge: the splits of a row run as
+    one thread-block cluster and, once all have written, each merges its own slice of the value columns
+    in the kernel (warp-specialised program, 2 to 8 splits); otherwise `combine_splits` merges them after."""
 
     block_s: int = 64
     stages: int = 2
     threads: int = 256
     nsplit: int = 1
+    merge: bool = False
 
     @property
     def warpgroups(self) -> int:
@@ -80,7 +85,8 @@ def _blocks(w: int, t: int, block_s: int) -> tuple[int, int]:
 def shared_bytes(k: int, w: int, t: int, tiling: Tiling) -> int:
     """Shared memory the program asks for: q, the key ring, P, the per-slot row table (static shared)."""
     nbw, nbt = _blocks(w, t, tiling.block_s)
-    extra = 2 * 4 * HEADS if tiling.ws else 0  # the warp-specialised program's alpha and 1 / l tables
+    # the warp-specialised program's alpha and 1 / l tables and the splits' merge weights
+    extra = 4 * HEADS * (2 + tiling.nsplit) if tiling.ws else 0
     return (
         2 * (HEADS * k + tiling.stages * tiling.block_s * k + HEADS * tiling.block_s)
         + 4 * ((nbw + nbt) * tiling.block_s)
@@ -111,6 +117,11 @@ def check_shapes(h: int, k: int, w: int, c: int, t: int, tiling: Tiling) -> None
             raise ValueError(f"block_s must be 16, 32, 64 or 128 and split into {nwg} x 8 columns, got {bs}")
     if tiling.stages < 2:
         raise ValueError(f"stages must be >= 2, got {tiling.stages}")
+    if tiling.merge and not (tiling.ws and 2 <= tiling.nsplit <= _MAX_CLUSTER):
+        raise ValueError(
+            f"merging in the kernel takes the warp-specialised program (384 threads) and 2 to {_MAX_CLUSTER} "
+            f"splits (one cluster per row), got {tiling.threads} threads and nsplit {tiling.nsplit}"
+        )
     if min(w, c, t) < 1:
         raise ValueError(f"need W, C, T >= 1, got W={w} C={c} T={t}")
     nb = sum(_blocks(w, t, bs))
@@ -186,22 +197,36 @@ def _reciprocal():
     return reciprocal
 
 
-def _entry(b: int, h: int, k: int, w: int, c: int, t: int, nb: int, nsplit: int, threads: int, plain, split):
+def _entry(
+    b: int,
+    h: int,
+    k: int,
+    w: int,
+    c: int,
+    t: int,
+    nb: int,
+    nsplit: int,
+    threads: int,
+    plain,
+    split,
+    merged=None,
+):
     """Either program's entry point, parameters as in `_OPERANDS` and `_RESULTS` (TileLang needs one
     function per signature): grid (b, h / 64) running the macro `plain(bx, by, *operands, out)`, or, with
     splits, (b, h / 64, nsplit) running `split(bx, by, bz, lo, n, *operands, part, lse)` over key blocks
-    [lo, lo + n) of the nb."""
+    [lo, lo + n) of the nb; with `merged`, `merged(bx, by, bz, lo, n, *operands, out, part, lse)`: the
+    partials are scratch and the kernel writes the merged output."""
     import tilelang.language as T
 
     hg = h // HEADS
-    bf16, f32, i32 = "bfloat16", "float32", "int32"
+    bf16, f32, i32, i8 = "bfloat16", "float32", "int32", "int8"
     if nsplit == 1:
 
         @T.prim_func
         def sparse_decode(
             p0_q: T.Tensor((b, h, k), bf16),
             p1_window: T.Tensor((b, w, k), bf16),
-            p2_valid: T.Tensor((b, w), i32),
+            p2_valid: T.Tensor((b, w), i8),
             p3_pool: T.Tensor((b, c, k), bf16),
             p4_topk: T.Tensor((b, t), i32),
             p5_sinks: T.Tensor((h,), f32),
@@ -212,11 +237,47 @@ def _entry(b: int, h: int, k: int, w: int, c: int, t: int, nb: int, nsplit: int,
 
         return sparse_decode
 
+    if merged is not None:
+
+        @T.prim_func
+        def sparse_decode_merged(
+            p0_q: T.Tensor((b, h, k), bf16),
+            p1_window: T.Tensor((b, w, k), bf16),
+            p2_valid: T.Tensor((b, w), i8),
+            p3_pool: T.Tensor((b, c, k), bf16),
+            p4_topk: T.Tensor((b, t), i32),
+            p5_sinks: T.Tensor((h,), f32),
+            p6_out: T.Tensor((b, h, k), bf16),
+            p7_part: T.Tensor((b, nsplit, h, k), f32),
+            p8_lse: T.Tensor((b, nsplit, h), f32),
+        ):
+            with T.Kernel(b, hg, nsplit, threads=threads) as (bx, by, bz):
+                lo = bz * nb // nsplit
+                n = (bz + 1) * nb // nsplit - lo
+                merged(
+                    bx,
+                    by,
+                    bz,
+                    lo,
+                    n,
+                    p0_q,
+                    p1_window,
+                    p2_valid,
+                    p3_pool,
+                    p4_topk,
+                    p5_sinks,
+                    p6_out,
+                    p7_part,
+                    p8_lse,
+                )
+
+        return sparse_decode_merged
+
     @T.prim_func
     def sparse_decode_split(
         p0_q: T.Tensor((b, h, k), bf16),
         p1_window: T.Tensor((b, w, k), bf16),
-        p2_valid: T.Tensor((b, w), i32),
+        p2_valid: T.Tensor((b, w), i8),
         p3_pool: T.Tensor((b, c, k), bf16),
         p4_topk: T.Tensor((b, t), i32),
         p5_sinks: T.Tensor((h,), f32),
@@ -349,7 +410,8 @@ def ws_program(b: int, h: int, k: int, w: int, c: int, t: int, scale: float, til
       memory, then the left half of the value columns: acc_l += P K[:, :k/2].
     - right warpgroup (128-255): acc_r = alpha * acc_r + P K[:, k/2:] once P is ready.
     The softmax warpgroup's QK^T of block g + 1 overlaps the right warpgroup's PV of block g, and the loads
-    run `stages` blocks ahead of both.
+    run `stages` blocks ahead of both. With `tiling.merge` the splits of a row are one cluster: each writes
+    its partial, all meet at the cluster barrier, then each merges its slice of the value columns.
     """
     check_shapes(h, k, w, c, t, tiling)
     import tilelang.language as T
@@ -362,19 +424,43 @@ def ws_program(b: int, h: int, k: int, w: int, c: int, t: int, scale: float, til
     fill_rows, softmax_step, reciprocal = _row_table(w, c, t, bs), _softmax_step(bs, qk), _reciprocal()
     bf16, f32, i32 = "bfloat16", "float32", "int32"
 
-    @T.macro
-    def finish(out, bx, by, bz, d0, acc, inv):
-        """One warpgroup's half of the value columns: normalised (inv = 1 / l), to the output or the split's
-        partial."""
-        for hh, d in T.Parallel(HEADS, kh):
-            acc[hh, d] *= inv[hh]
-        if nsplit == 1:
-            T.copy(acc, out[bx, by * HEADS, d0])
-        else:
-            T.copy(acc, out[bx, bz, by * HEADS, d0])
+    merge = tiling.merge
+    quads = -(-k // 4 // nsplit)  # with merge: each split merges this many 4-column groups (the last fewer)
 
     @T.macro
-    def body(bx, by, bz, lo, n, first, q, win, valid, pool, topk, sinks, out, lse):
+    def finish(out, bx, by, slot, d0, acc, inv):
+        """One warpgroup's half of the value columns: normalised (inv = 1 / l), to the output (slot None)
+        or the partial of slot `slot`."""
+        for hh, d in T.Parallel(HEADS, kh):
+            acc[hh, d] *= inv[hh]
+        if slot is None:
+            T.copy(acc, out[bx, by * HEADS, d0])
+        else:
+            T.copy(acc, out[bx, slot, by * HEADS, d0])
+
+    @T.macro
+    def merge_slice(out, part, wts, bx, by, bz, h0, tid):
+        """After the cluster barrier: this split's slice of the value columns (4-column groups
+        [bz * quads, (bz + 1) * quads) of the k / 4) for heads h0 .. h0 + 31, merged over every split's
+        normalised partial (read back from L2, 16 bytes a thread) with the weights in `wts`; 128 threads,
+        `tid` in [0, 128)."""
+        acc4 = T.alloc_local((4,), f32)
+        # unrolled, so each thread has all its loads in flight at once rather than one L2 round trip each
+        for it in T.unroll(-(-HEADS // 2 * quads // 128)):
+            i = it * 128 + tid
+            if i < HEADS // 2 * quads and bz * quads + i % quads < k // 4:
+                hh = h0 + i // quads
+                d = (bz * quads + i % quads) * 4
+                for v in T.vectorized(4):
+                    acc4[v] = 0.0
+                for j in T.unroll(nsplit):
+                    for v in T.vectorized(4):
+                        acc4[v] += part[bx, j, by * HEADS + hh, d + v] * wts[j, hh]
+                for v in T.vectorized(4):
+                    out[bx, by * HEADS + hh, d + v] = T.cast(acc4[v], bf16)
+
+    @T.macro
+    def body(bx, by, bz, lo, n, first, q, win, valid, pool, topk, sinks, out, part, lse):
         q_l = T.alloc_shared((HEADS, kh), bf16)
         q_r = T.alloc_shared((HEADS, kh), bf16)
         k_l = T.alloc_shared((ns, bs, kh), bf16)
@@ -382,6 +468,7 @@ def ws_program(b: int, h: int, k: int, w: int, c: int, t: int, scale: float, til
         p_s = T.alloc_shared((HEADS, bs), bf16)
         alpha_s = T.alloc_shared((HEADS,), f32, scope="shared")
         inv_s = T.alloc_shared((HEADS,), f32, scope="shared")
+        wts = T.alloc_shared((nsplit, HEADS), f32, scope="shared")  # merge: every split's weight per head
         rows = T.alloc_shared((nb * bs,), i32, scope="shared")
         s = T.alloc_fragment((HEADS, bs), f32)
         acc_l = T.alloc_fragment((HEADS, kh), f32)
@@ -397,8 +484,16 @@ def ws_program(b: int, h: int, k: int, w: int, c: int, t: int, scale: float, til
         p_ready = T.alloc_barrier(128)  # softmax warpgroup: P and alpha written
         p_free = T.alloc_barrier(128)  # right warpgroup: done reading P and alpha
         l_ready = T.alloc_barrier(128)  # softmax warpgroup: final 1 / l written
+        w_ready = T.alloc_barrier(128)  # merge: softmax warpgroup has written the merge weights
+        top = T.alloc_var(f32)
+        tot = T.alloc_var(f32)
         tx = T.get_thread_binding()
 
+        if tx >= 256:  # q needs no slot table: its copies start first and land with key block 0
+            for r, d in T.Parallel(HEADS, kh, annotations=_ASYNC):
+                q_l[r, d] = q[bx, by * HEADS + r, d]
+            for r, d in T.Parallel(HEADS, kh, annotations=_ASYNC):
+                q_r[r, d] = q[bx, by * HEADS + r, kh + d]
         fill_rows(rows, bx, valid, topk)
         T.sync_threads()
 
@@ -407,11 +502,6 @@ def ws_program(b: int, h: int, k: int, w: int, c: int, t: int, scale: float, til
             for g in T.serial(n):
                 st = g % ns
                 T.barrier_wait(free[st], ((g // ns) & 1) ^ 1)
-                if g == 0:  # q rides with the first key block
-                    for r, d in T.Parallel(HEADS, kh, annotations=_ASYNC):
-                        q_l[r, d] = q[bx, by * HEADS + r, d]
-                    for r, d in T.Parallel(HEADS, kh, annotations=_ASYNC):
-                        q_r[r, d] = q[bx, by * HEADS + r, kh + d]
                 blk = lo + g
                 if blk < nbw:
                     for r, d in T.Parallel(bs, kh, annotations=_ASYNC):
@@ -438,6 +528,9 @@ def ws_program(b: int, h: int, k: int, w: int, c: int, t: int, scale: float, til
                             T.cast(0, bf16),
                         )
                 T.cp_async_barrier_noinc(ready[st])
+            if merge:  # every thread of the cluster arrives once
+                T.cluster_arrive()
+                T.cluster_wait()
         elif tx < 128:
             T.set_max_nreg(240, 1)
             for hh in T.Parallel(HEADS):
@@ -463,12 +556,34 @@ def ws_program(b: int, h: int, k: int, w: int, c: int, t: int, scale: float, til
             reciprocal(l, inv)
             T.copy(inv, inv_s)
             T.barrier_arrive(l_ready)
-            finish(out, bx, by, bz, 0, acc_l, inv)
+            finish(out if nsplit == 1 else part, bx, by, None if nsplit == 1 else bz, 0, acc_l, inv)
             if nsplit > 1:
+                # With merge, a launch without the cluster would let a split read the others' partials
+                # before they are written: the rank check makes that NaN, not a plausible wrong answer.
+                live = T.block_rank_in_cluster() == bz if merge else True
                 for hh in T.Parallel(HEADS):
                     lse[bx, bz, by * HEADS + hh] = T.if_then_else(
-                        l[hh] > 0, m[hh] + T.log2(l[hh]), -T.infinity(f32)
+                        live,
+                        T.if_then_else(l[hh] > 0, m[hh] + T.log2(l[hh]), -T.infinity(f32)),
+                        T.float32(math.nan),
                     )
+            if merge:
+                T.cluster_arrive()  # release: this split's partial and lse, to the cluster
+                T.cluster_wait()  # acquire: every split's
+                # weights per head: exp2(lse_j - max) / sum (split 0 holds the sink, so the max is finite;
+                # a split with no live key has lse -inf and weight 0)
+                if tx < HEADS:
+                    top = lse[bx, 0, by * HEADS + tx]
+                    for j in T.serial(1, nsplit):
+                        top = T.max(top, lse[bx, j, by * HEADS + tx])
+                    tot = 0.0
+                    for j in T.serial(nsplit):
+                        tot += T.exp2(lse[bx, j, by * HEADS + tx] - top)
+                    for j in T.serial(nsplit):
+                        wts[j, tx] = T.exp2(lse[bx, j, by * HEADS + tx] - top) / tot
+                T.barrier_arrive(w_ready)
+                T.barrier_wait(w_ready, 0)
+                merge_slice(out, part, wts, bx, by, bz, 0, tx)
         else:
             T.set_max_nreg(168, 1)
             T.clear(acc_r)
@@ -481,17 +596,26 @@ def ws_program(b: int, h: int, k: int, w: int, c: int, t: int, scale: float, til
                 T.barrier_arrive(p_free)
                 T.barrier_arrive(free[st])
             T.barrier_wait(l_ready, 0)
-            finish(out, bx, by, bz, kh, acc_r, inv_s)
+            finish(out if nsplit == 1 else part, bx, by, None if nsplit == 1 else bz, kh, acc_r, inv_s)
+            if merge:
+                T.cluster_arrive()
+                T.cluster_wait()
+                T.barrier_wait(w_ready, 0)
+                merge_slice(out, part, wts, bx, by, bz, HEADS // 2, tx - 128)
 
     @T.macro
     def plain(bx, by, q, win, valid, pool, topk, sinks, out):
-        body(bx, by, 0, 0, nb, True, q, win, valid, pool, topk, sinks, out, None)
+        body(bx, by, 0, 0, nb, True, q, win, valid, pool, topk, sinks, out, None, None)
 
     @T.macro
     def split(bx, by, bz, lo, n, q, win, valid, pool, topk, sinks, part, lse):
-        body(bx, by, bz, lo, n, bz == 0, q, win, valid, pool, topk, sinks, part, lse)
+        body(bx, by, bz, lo, n, bz == 0, q, win, valid, pool, topk, sinks, None, part, lse)
 
-    return _entry(b, h, k, w, c, t, nb, nsplit, 384, plain, split)
+    @T.macro
+    def merged(bx, by, bz, lo, n, q, win, valid, pool, topk, sinks, out, part, lse):
+        body(bx, by, bz, lo, n, bz == 0, q, win, valid, pool, topk, sinks, out, part, lse)
+
+    return _entry(b, h, k, w, c, t, nb, nsplit, 384, plain, split, merged if merge else None)
 
 
 def lower_cuda(
@@ -500,7 +624,23 @@ def lower_cuda(
     """CUDA source and launch parameters (name, grid, threads, shared_bytes, params). No GPU needed."""
     program = ws_program if tiling.ws else cuda_program
     art = _lower(program(b, h, k, w, c, t, scale, tiling), {"kind": "cuda", "arch": _ARCH})
-    return pointer_kernel(art, _OPERANDS + _RESULTS[1 if tiling.nsplit == 1 else 2])
+    kind = "plain" if tiling.nsplit == 1 else "merge" if tiling.merge else "split"
+    source, launch = pointer_kernel(art, _OPERANDS + _RESULTS[kind])
+    if tiling.merge:
+        source = _with_cluster(source, launch["name"], (1, 1, tiling.nsplit))
+    return source, launch
+
+
+def _with_cluster(source: str, name: str, dims: tuple[int, int, int]) -> str:
+    """Declares the kernel's thread-block cluster shape in its source (`__cluster_dims__`): a compile-time
+    cluster needs no launch attribute, so the plain cuLaunchKernel of the FFI launcher runs it clustered.
+    (TileLang's own cluster launch goes through cudaLaunchKernelEx instead.)"""
+    head = 'extern "C" __global__ void __launch_bounds__('
+    at = source.index(head)
+    at = source.index(f" {name}(", at)
+    if source.count(f" {name}(") != 2:  # the forward declaration and the definition
+        raise NotImplementedError(f"unexpected declarations of {name} in the lowered source")
+    return source[:at] + " __cluster_dims__({}, {}, {})".format(*dims) + source[at:]
 
 
 def _lowered_on_disk(b: int, h: int, k: int, w: int, c: int, t: int, scale: float, tiling: Tiling):
@@ -540,16 +680,17 @@ def cuda_kernel(b: int, h: int, k: int, w: int, c: int, t: int, scale: float, ti
 def default_tiling(b: int, h: int, k: int, w: int, t: int) -> Tiling | None:
     """The tiling `impl="auto"` uses, or None where the kernel does not apply (then Triton runs).
 
-    From the H200 sweeps (benchmarks/results/kernels_h200_attn_epilogue.json): the warp-specialised program
-    with 64-key steps in 2 stages, split so that the grid covers the 132 SMs about once (b64: 2 splits,
-    32.4 us against 34.5 with one CTA per row; b8: 10 splits, 15.5 us, the 8-warp program 16.6). Where the
-    warp-specialised program does not apply, the 8-warp one with the same splits.
+    From the H200 sweeps (benchmarks/results/kernels_h200_attn_merge.json): the warp-specialised program
+    with 64-key steps in 2 stages, split so that the grid covers the 132 SMs about once (b64: 2 splits;
+    b8: 10). Two splits merge in the kernel (b64: 28.9 us against 30.8 merged after, 33.1 unsplit); more
+    do not (b8: 8 merged 15.1 us, 5 merged 14.5, 10 merged after 14.3: the cluster waits for its slowest
+    split). Where the warp-specialised program does not apply, the 8-warp one with the same splits.
     """
     nb = sum(_blocks(w, t, 64))
     ctas = b * max(h // HEADS, 1)
     nsplit = max(1, min(nb, round(132 / ctas)))
     for threads in (384, 256):
-        tiling = Tiling(64, 2, threads, nsplit)
+        tiling = Tiling(64, 2, threads, nsplit, merge=threads == 384 and nsplit == 2)
         try:
             check_shapes(h, k, w, 1, t, tiling)
         except ValueError:
@@ -571,12 +712,16 @@ def sparse_decode_tilelang(
 
     if q.dtype != jnp.bfloat16:
         raise ValueError(f"the TileLang sparse decode takes bf16 q, got {q.dtype}")
-    args = kernel_operands(q, window, window_valid, pool, topk, sinks)
+    # validity as bool (one byte, read as int8 by the kernel): no conversion kernel ahead of the launch
+    args = kernel_operands(q, window, window_valid, pool, topk, sinks, valid_dtype=jnp.bool_)
     b, h, k = q.shape
     w, c, t = window.shape[1], pool.shape[1], topk.shape[1]
     check_shapes(h, k, w, c, t, tiling)
     kern = cuda_kernel(b, h, k, w, c, t, float(scale), tiling)
     if tiling.nsplit == 1:
         return cubin.launch(kern.cubin, kern.grid, args, jax.ShapeDtypeStruct(q.shape, q.dtype))
+    if tiling.merge:  # the partials are scratch: the kernel has merged them into out
+        results = [jax.ShapeDtypeStruct(q.shape, q.dtype), *split_results(q.shape, tiling.nsplit)]
+        return cubin.launch(kern.cubin, kern.grid, args, results)[0]
     part, lse = cubin.launch(kern.cubin, kern.grid, args, split_results(q.shape, tiling.nsplit))
     return combine_splits(part, lse).astype(q.dtype)

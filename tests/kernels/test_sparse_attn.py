@@ -102,6 +102,8 @@ def test_public_op_auto_is_ref_on_cpu():
     np.testing.assert_array_equal(sparse_decode(*args, scale=0.3), sparse_decode_ref(*args, scale=0.3))
     with pytest.raises(ValueError):
         sparse_decode(*args, scale=0.3, impl="cuda-magic")
+    with pytest.raises(ValueError, match="merge_splits"):  # the Triton kernel has no in-kernel merge
+        sparse_decode(*args, scale=0.3, impl="triton", nsplit=2, merge_splits=True)
 
 
 def test_kernel_operands_cast_and_reject_inconsistent_shapes():
@@ -120,6 +122,11 @@ def test_kernel_operands_cast_and_reject_inconsistent_shapes():
         jnp.int32,
         jnp.float32,
     ]
+    # the TileLang programs read the caller's bool validity directly (one byte): no conversion kernel
+    valid_in = jnp.asarray([[1, 0, 3], [0, 0, 2]], jnp.int32)
+    np.testing.assert_array_equal(
+        kernel_operands(q, win, valid_in, pool, top, sinks, valid_dtype=jnp.bool_)[2], valid_in != 0
+    )
     with pytest.raises(ValueError, match="window"):
         kernel_operands(q, win[:, :, :4], valid, pool, top, sinks)
     with pytest.raises(ValueError, match="pool"):

@@ -27,10 +27,10 @@ BF16 = jnp.bfloat16
 
 
 @functools.cache
-def _lowered(shape, block_s, stages, threads, nsplit):
+def _lowered(shape, block_s, stages, threads, nsplit, merge=False):
     from djax.kernels.sparse_attn_tilelang import Tiling, lower_cuda
 
-    return lower_cuda(*shape, 0.0625, Tiling(block_s, stages, threads, nsplit))
+    return lower_cuda(*shape, 0.0625, Tiling(block_s, stages, threads, nsplit, merge))
 
 
 @needs_tilelang
@@ -66,8 +66,28 @@ def test_lowering_warp_specialised_kernel():
     assert launch["params"] == (*OPERANDS, "p6_part", "p7_lse") and launch["grid"] == (3, 1, 2)
     assert "mbarrier_cp_async_arrive_noinc" in src and "cp_async_gs_conditional" in src
     assert "warpgroup_reg_alloc<240>" in src and "warpgroup_reg_dealloc" in src and "wgmma" in src
-    branches = src[src.index("if (256 <= ((int)threadIdx.x))") :]
-    assert "__syncthreads" not in branches  # the roles never wait for the whole CTA
+    # the producer starts q's copies before the slot table is filled; after that the roles never wait
+    # for the whole CTA
+    assert src.count("if (256 <= ((int)threadIdx.x))") == 2
+    first, roles = src.index("if (256 <= ((int)threadIdx.x))"), src.rindex("if (256 <= ((int)threadIdx.x))")
+    assert "q_l" in src[first : src.index("__syncthreads", first)]
+    assert "__syncthreads" not in src[roles:]
+
+
+@needs_tilelang
+def test_lowering_merged_splits_kernel():
+    """Splits merged in the kernel: the 3 splits of a row are one thread-block cluster declared in the
+    source (the FFI launcher's plain cuLaunchKernel honours it); the output comes first, then the scratch
+    partials; every thread arrives at the cluster barrier once (each warpgroup on its own path), then both
+    consumer warpgroups merge this split's third of the columns (11 of the 32 groups of 4; the last split
+    10) with 16-byte loads of the partials."""
+    src, launch = _lowered((3, 64, 128, 100, 300, 77), 32, 2, 384, 3, True)
+    assert launch["name"] == "sparse_decode_merged_kernel" and launch["grid"] == (3, 1, 3)
+    assert launch["params"] == (*OPERANDS, "p6_out", "p7_part", "p8_lse")
+    assert "__launch_bounds__(384, 1) __cluster_dims__(1, 1, 3) sparse_decode_merged_kernel(" in src
+    assert src.count("tl::cluster_arrive();") == 3 and src.count("tl::cluster_wait();") == 3
+    assert "block_rank_in_cluster()" in src  # a launch without the cluster poisons the merge with NaN
+    assert "*(float4*)(p7_part + " in src
 
 
 @needs_tilelang
@@ -84,6 +104,9 @@ def test_lowering_warp_specialised_kernel():
         ((2, 64, 512, 128, 64, 64), (64, 2, 256, 4), "nsplit"),  # only 3 key blocks
         ((2, 64, 512, 128, 64, 64), (64, 1, 256, 1), "stages"),
         ((8, 64, 512, 128, 2048, 512), (64, 2, 512, 10), "16 warps"),  # one block per split
+        ((8, 64, 512, 128, 2048, 512), (64, 2, 384, 1, True), "merging"),  # nothing to merge
+        ((8, 64, 512, 128, 2048, 512), (64, 2, 384, 9, True), "merging"),  # past the portable cluster
+        ((8, 64, 512, 128, 2048, 512), (64, 2, 256, 2, True), "merging"),  # not warp-specialised
     ],
 )
 def test_unsupported_shapes_raise_value_error(shape, tiling, match):
@@ -119,45 +142,56 @@ def _check(args, scale, **tiling):
 @needs_tilelang
 @pytest.mark.gpu
 @pytest.mark.parametrize(
-    "block_s,stages,warps,nsplit",
+    "block_s,stages,warps,nsplit,merge",
     [
-        (64, 2, 8, 1),
-        (32, 4, 8, 1),
-        (64, 2, 16, 1),
-        (16, 3, 8, 1),
-        (64, 2, 8, 2),
-        (32, 3, 8, 3),
-        (32, 4, 16, 3),
-        (64, 2, 12, 1),
-        (32, 4, 12, 1),
-        (64, 2, 12, 3),
-        (32, 3, 12, 5),
+        (64, 2, 8, 1, False),
+        (32, 4, 8, 1, False),
+        (64, 2, 16, 1, False),
+        (16, 3, 8, 1, False),
+        (64, 2, 8, 2, False),
+        (32, 3, 8, 3, False),
+        (32, 4, 16, 3, False),
+        (64, 2, 12, 1, False),
+        (32, 4, 12, 1, False),
+        (64, 2, 12, 3, False),
+        (32, 3, 12, 5, False),
+        (64, 2, 12, 2, True),
+        (32, 3, 12, 5, True),
+        (32, 2, 12, 7, True),
     ],
 )
-def test_tilelang_matches_ref_odd_shapes(block_s, stages, warps, nsplit):
-    """b 3, W 100, T 77, C 300: neither W nor T is a multiple of block_s; 128 heads = 2 head groups."""
-    args = sparse_decode_inputs(block_s + nsplit, 3, 128, 512, 100, 300, 77)
-    _check(args, 512**-0.5, block_s=block_s, num_stages=stages, num_warps=warps, nsplit=nsplit)
+def test_tilelang_matches_ref_odd_shapes(block_s, stages, warps, nsplit, merge):
+    """b 3, W 100, T 77, C 300: neither W nor T is a multiple of block_s; 128 heads = 2 head groups.
+    With splits merged in the kernel (the cluster's split 0 reads the others' partials): up to 7 splits of
+    one 32-key block each; in the last row nothing is live, so every split but split 0 (the sink's) has
+    weight 0."""
+    args = sparse_decode_inputs(block_s + nsplit + merge, 3, 128, 512, 100, 300, 77)
+    tiling = dict(block_s=block_s, num_stages=stages, num_warps=warps, nsplit=nsplit, merge_splits=merge)
+    _check(args, 512**-0.5, **tiling)
 
 
 @needs_tilelang
 @pytest.mark.gpu
 @pytest.mark.parametrize(
-    "b,nsplit,block_s,warps",
+    "b,nsplit,block_s,warps,merge",
     [
-        (64, 1, 64, 8),
-        (64, 2, 64, 8),
-        (8, 10, 64, 8),
-        (8, 16, 32, 8),
-        (64, 1, 64, 12),
-        (64, 2, 64, 12),
-        (8, 10, 64, 12),
+        (64, 1, 64, 8, False),
+        (64, 2, 64, 8, False),
+        (8, 10, 64, 8, False),
+        (8, 16, 32, 8, False),
+        (64, 1, 64, 12, False),
+        (64, 2, 64, 12, False),
+        (8, 10, 64, 12, False),
+        (64, 2, 64, 12, True),
+        (64, 4, 64, 12, True),
+        (8, 8, 64, 12, True),
     ],
 )
-def test_tilelang_matches_ref_benchmark_shape(b, nsplit, block_s, warps):
+def test_tilelang_matches_ref_benchmark_shape(b, nsplit, block_s, warps, merge):
     """The benchmark's shape (h 64, k 512, W 128, C 2048, T 512) with the split counts the sweep times."""
-    args = sparse_decode_inputs(b + nsplit, b, 64, 512, 128, 2048, 512)
-    _check(args, 512**-0.5, block_s=block_s, num_stages=2, num_warps=warps, nsplit=nsplit)
+    args = sparse_decode_inputs(b + nsplit + merge, b, 64, 512, 128, 2048, 512)
+    tiling = dict(block_s=block_s, num_stages=2, num_warps=warps, nsplit=nsplit, merge_splits=merge)
+    _check(args, 512**-0.5, **tiling)
 
 
 @needs_tilelang
@@ -169,6 +203,7 @@ def test_tilelang_large_logits_and_ring_129():
     _check(args, 512**-0.5, block_s=64, num_stages=2, num_warps=8, nsplit=1)
     _check(args, 512**-0.5, block_s=64, num_stages=2, num_warps=8, nsplit=4)
     _check(args, 512**-0.5, block_s=64, num_stages=2, num_warps=12, nsplit=3)
+    _check(args, 512**-0.5, block_s=64, num_stages=2, num_warps=12, nsplit=3, merge_splits=True)
 
 
 def test_default_tiling_covers_the_sms_once_and_declines_other_heads():
@@ -176,8 +211,10 @@ def test_default_tiling_covers_the_sms_once_and_declines_other_heads():
 
     b64, b8 = default_tiling(64, 64, 512, 128, 512), default_tiling(8, 64, 512, 128, 512)
     assert (b64.block_s, b64.threads, b64.nsplit) == (64, 384, 2)  # warp-specialised, 128 CTAs
+    assert b64.merge  # the two splits of a row are one cluster and merge in the kernel
     assert default_tiling(128, 64, 512, 128, 512).nsplit == 1  # 128 rows fill the SMs alone
     assert b8.threads == 384 and b8.nsplit == 10  # every one of the 10 key blocks its own CTA: 80 CTAs
+    assert not b8.merge  # 10 splits are merged after the kernel
     assert default_tiling(1, 64, 512, 129, 1).nsplit == 4  # a sliding layer: 3 ring blocks + 1 pick block
     assert default_tiling(4, 64, 1024, 128, 512) is None  # head dim over 512: neither program applies
     assert default_tiling(4, 32, 512, 128, 512) is None  # not a multiple of 64 heads: Triton runs instead
