@@ -35,15 +35,18 @@ COPY_BW = 4.3e12  # measured device copy bandwidth on the lent H200 (bytes read 
 BF16_RATE = 790e12  # measured dense bf16 matmul rate on the lent H200
 FP8_PEAK = 1979e12  # H200 spec sheet, dense fp8: the ceiling for the fp8 kernels' FLOPs
 # TileLang sparse decode tilings (block_s, stages, warps, splits per row, merged in the kernel) worth timing
-# at batch 64 and 8 (12 warps: the warp-specialised program)
-TILELANG_B64 = [
-    (64, 2, 12, 1, False),
-    (64, 2, 12, 2, False),
-    (64, 2, 12, 2, True),
-    (64, 2, 12, 3, True),
-    (32, 4, 12, 2, True),
-]
-TILELANG_B8 = [(64, 2, 12, 10, False), (64, 2, 12, 8, True), (64, 2, 12, 5, True)]
+# per batch size (12 warps: the warp-specialised program)
+TILELANG_TILINGS = {
+    64: [
+        (64, 2, 12, 1, False),
+        (64, 2, 12, 2, False),
+        (64, 2, 12, 2, True),
+        (64, 2, 12, 3, True),
+        (32, 4, 12, 2, True),
+    ],
+    32: [(64, 2, 12, 4, False), (64, 2, 12, 4, True), (64, 2, 12, 2, True)],
+    8: [(64, 2, 12, 10, False), (64, 2, 12, 8, True), (64, 2, 12, 5, True)],
+}
 
 
 def bench(fn, sets, reps: int = 7, trace: bool = False):
@@ -283,7 +286,7 @@ def run(
                     check,
                 )
             # TileLang: all 64 heads of a row per CTA (block_s keys per step, stages, warps, splits per row)
-            tilelang = (TILELANG_B64 if b == 64 else TILELANG_B8) if attn_sweep else []
+            tilelang = TILELANG_TILINGS.get(b, []) if attn_sweep else []
             for bs, st, nw, ns, merge in tilelang if not small else []:
                 record(
                     "sparse_decode",

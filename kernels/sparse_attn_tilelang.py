@@ -680,17 +680,22 @@ def cuda_kernel(b: int, h: int, k: int, w: int, c: int, t: int, scale: float, ti
 def default_tiling(b: int, h: int, k: int, w: int, t: int) -> Tiling | None:
     """The tiling `impl="auto"` uses, or None where the kernel does not apply (then Triton runs).
 
-    From the H200 sweeps (benchmarks/results/kernels_h200_attn_merge.json): the warp-specialised program
-    with 64-key steps in 2 stages, split so that the grid covers the 132 SMs about once (b64: 2 splits;
-    b8: 10). Two splits merge in the kernel (b64: 28.9 us against 30.8 merged after, 33.1 unsplit); more
-    do not (b8: 8 merged 15.1 us, 5 merged 14.5, 10 merged after 14.3: the cluster waits for its slowest
-    split). Where the warp-specialised program does not apply, the 8-warp one with the same splits.
+    From the H200 sweeps (benchmarks/results/kernels_h200_attn_q_early.json, _attn_b8_b32_run1/2.json):
+    the warp-specialised program with 64-key steps in 2 stages, split so that the grid covers the 132 SMs
+    about once. Splits merge in the kernel where the clusters fit the SMs in one wave: two splits (b64:
+    28.2 us against 30.1 merged after) and, where more than 8 splits would be taken, 8 merged (b8: 13.3
+    us against 14.0-14.1 for 10 merged after, two runs). Clusters of 4 did not fit (b32, 4 splits merged
+    33.2 us against 21.1-21.5 merged after), so 3 to 8 splits merge after. Where the warp-specialised
+    program does not apply, the 8-warp one with the same splits, merged after.
     """
     nb = sum(_blocks(w, t, 64))
     ctas = b * max(h // HEADS, 1)
     nsplit = max(1, min(nb, round(132 / ctas)))
     for threads in (384, 256):
-        tiling = Tiling(64, 2, threads, nsplit, merge=threads == 384 and nsplit == 2)
+        if threads == 384 and nsplit > _MAX_CLUSTER and ctas * _MAX_CLUSTER <= 132:
+            tiling = Tiling(64, 2, threads, _MAX_CLUSTER, merge=True)
+        else:
+            tiling = Tiling(64, 2, threads, nsplit, merge=threads == 384 and nsplit == 2)
         try:
             check_shapes(h, k, w, 1, t, tiling)
         except ValueError:

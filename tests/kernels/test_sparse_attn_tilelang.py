@@ -213,9 +213,16 @@ def test_default_tiling_covers_the_sms_once_and_declines_other_heads():
     assert (b64.block_s, b64.threads, b64.nsplit) == (64, 384, 2)  # warp-specialised, 128 CTAs
     assert b64.merge  # the two splits of a row are one cluster and merge in the kernel
     assert default_tiling(128, 64, 512, 128, 512).nsplit == 1  # 128 rows fill the SMs alone
-    assert b8.threads == 384 and b8.nsplit == 10  # every one of the 10 key blocks its own CTA: 80 CTAs
-    assert not b8.merge  # 10 splits are merged after the kernel
+    # 10 key blocks, more splits than a portable cluster holds: 8 splits merged in the kernel, 64 CTAs
+    assert b8.threads == 384 and (b8.nsplit, b8.merge) == (8, True)
+    b32 = default_tiling(32, 64, 512, 128, 512)
+    assert (b32.nsplit, b32.merge) == (4, False)  # clusters of 4 did not fit one wave: merged after
+    assert (default_tiling(20, 64, 512, 128, 512).nsplit, default_tiling(20, 64, 512, 128, 512).merge) == (
+        7,
+        False,
+    )
     assert default_tiling(1, 64, 512, 129, 1).nsplit == 4  # a sliding layer: 3 ring blocks + 1 pick block
+    assert default_tiling(1, 64, 512, 129, 1).merge is False
     assert default_tiling(4, 64, 1024, 128, 512) is None  # head dim over 512: neither program applies
     assert default_tiling(4, 32, 512, 128, 512) is None  # not a multiple of 64 heads: Triton runs instead
 
