@@ -85,8 +85,8 @@ def _blocks(w: int, t: int, block_s: int) -> tuple[int, int]:
 def shared_bytes(k: int, w: int, t: int, tiling: Tiling) -> int:
     """Shared memory the program asks for: q, the key ring, P, the per-slot row table (static shared)."""
     nbw, nbt = _blocks(w, t, tiling.block_s)
-    # the warp-specialised program's alpha and 1 / l tables and the splits' merge weights
-    extra = 4 * HEADS * (2 + tiling.nsplit) if tiling.ws else 0
+    # the warp-specialised program's alpha and 1 / l tables, and with merge every split's weights
+    extra = 4 * HEADS * (2 + (tiling.nsplit if tiling.merge else 0)) if tiling.ws else 0
     return (
         2 * (HEADS * k + tiling.stages * tiling.block_s * k + HEADS * tiling.block_s)
         + 4 * ((nbw + nbt) * tiling.block_s)
@@ -197,6 +197,12 @@ def _reciprocal():
     return reciprocal
 
 
+def _split_range(bz, nb: int, nsplit: int):
+    """Split bz's key blocks [lo, lo + n): balanced, every split gets floor or ceil of nb / nsplit >= 1."""
+    lo = bz * nb // nsplit
+    return lo, (bz + 1) * nb // nsplit - lo
+
+
 def _entry(
     b: int,
     h: int,
@@ -252,8 +258,7 @@ def _entry(
             p8_lse: T.Tensor((b, nsplit, h), f32),
         ):
             with T.Kernel(b, hg, nsplit, threads=threads) as (bx, by, bz):
-                lo = bz * nb // nsplit
-                n = (bz + 1) * nb // nsplit - lo
+                lo, n = _split_range(bz, nb, nsplit)
                 merged(
                     bx,
                     by,
@@ -285,9 +290,7 @@ def _entry(
         p7_lse: T.Tensor((b, nsplit, h), f32),
     ):
         with T.Kernel(b, hg, nsplit, threads=threads) as (bx, by, bz):
-            # balanced ranges: every split gets floor or ceil of nb / nsplit >= 1 blocks
-            lo = bz * nb // nsplit
-            n = (bz + 1) * nb // nsplit - lo
+            lo, n = _split_range(bz, nb, nsplit)
             split(bx, by, bz, lo, n, p0_q, p1_window, p2_valid, p3_pool, p4_topk, p5_sinks, p6_part, p7_lse)
 
     return sparse_decode_split
@@ -468,7 +471,6 @@ def ws_program(b: int, h: int, k: int, w: int, c: int, t: int, scale: float, til
         p_s = T.alloc_shared((HEADS, bs), bf16)
         alpha_s = T.alloc_shared((HEADS,), f32, scope="shared")
         inv_s = T.alloc_shared((HEADS,), f32, scope="shared")
-        wts = T.alloc_shared((nsplit, HEADS), f32, scope="shared")  # merge: every split's weight per head
         rows = T.alloc_shared((nb * bs,), i32, scope="shared")
         s = T.alloc_fragment((HEADS, bs), f32)
         acc_l = T.alloc_fragment((HEADS, kh), f32)
@@ -484,9 +486,11 @@ def ws_program(b: int, h: int, k: int, w: int, c: int, t: int, scale: float, til
         p_ready = T.alloc_barrier(128)  # softmax warpgroup: P and alpha written
         p_free = T.alloc_barrier(128)  # right warpgroup: done reading P and alpha
         l_ready = T.alloc_barrier(128)  # softmax warpgroup: final 1 / l written
-        w_ready = T.alloc_barrier(128)  # merge: softmax warpgroup has written the merge weights
-        top = T.alloc_var(f32)
-        tot = T.alloc_var(f32)
+        if merge:  # the merge's state: every split's weight per head, its barrier, two scalars
+            wts = T.alloc_shared((nsplit, HEADS), f32, scope="shared")
+            w_ready = T.alloc_barrier(128)  # softmax warpgroup has written the weights
+            top = T.alloc_var(f32)
+            tot = T.alloc_var(f32)
         tx = T.get_thread_binding()
 
         if tx >= 256:  # q needs no slot table: its copies start first and land with key block 0
