@@ -206,8 +206,48 @@ def run(out_dir: str, small: bool, jobs: int, phases: tuple[str, ...] = ("decode
         result["rows"].append(row)
         with open(path, "w") as f:
             json.dump(result, f, indent=1)
+    plot(result, path.removesuffix(".json") + ".png")
     log(f"wrote {path}")
     return result
+
+
+def plot(result: dict, path: str) -> None:
+    """One panel per shape: each timed variant's fraction of its ceiling (prefill: the FP8 peak, decode: COPY_BW),
+    XLA's in grey, the microseconds beside each bar. Skipped where matplotlib is missing."""
+    try:
+        import matplotlib
+
+        matplotlib.use("Agg")
+        import matplotlib.pyplot as plt
+    except ImportError:
+        return
+    rows = [r for r in result["rows"] if any("us" in v for v in r["impls"].values())]
+    if not rows:
+        return
+    heights = [sum("us" in v for v in r["impls"].values()) for r in rows]
+    fig, axes = plt.subplots(len(rows), 1, figsize=(8, 0.28 * sum(heights) + 1.2 * len(rows)), squeeze=False)
+    for ax, row in zip(axes[:, 0], rows, strict=True):
+        timed = [(name, v) for name, v in row["impls"].items() if "us" in v]
+        key = "peak_ratio" if row["phase"] == "prefill" else "bw_ratio"
+        ax.barh(
+            range(len(timed)),
+            [v[key] for _, v in timed],
+            color=["grey" if name.startswith("xla") else "C0" for name, _ in timed],
+        )
+        for i, (_, v) in enumerate(timed):
+            ax.text(v[key], i, f" {v['us']:.1f} us", va="center", fontsize=6)
+        ax.set_yticks(range(len(timed)), [name for name, _ in timed], fontsize=6)
+        ax.invert_yaxis()
+        ceiling = (
+            f"{result['fp8_peak_tflops']:.0f} TFLOP/s"
+            if key == "peak_ratio"
+            else f"{result['copy_bw_tbs']} TB/s"
+        )
+        ax.set_title(f"{row['phase']} m{row['m']} n{row['n']} k{row['k']}: fraction of {ceiling}", fontsize=8)
+    fig.suptitle(f"TileLang FP8 block-scaled GEMM, {result['device']}, {result['date'][:10]}", fontsize=9)
+    fig.tight_layout()
+    fig.savefig(path, dpi=110)
+    plt.close(fig)
 
 
 if __name__ == "__main__":
@@ -219,6 +259,11 @@ if __name__ == "__main__":
     p.add_argument(
         "--only", default="", help="comma-separated substrings of ws variant names (e.g. _ss,x256)"
     )
+    p.add_argument("--plot", metavar="JSON", help="only draw the PNG of an earlier run's JSON, beside it")
     args = p.parse_args()
+    if args.plot:
+        with open(args.plot) as f:
+            plot(json.load(f), args.plot.removesuffix(".json") + ".png")
+        sys.exit()
     ONLY = tuple(s for s in args.only.split(",") if s)
     run(args.out, args.small, args.jobs, tuple(args.phases.split(",")))

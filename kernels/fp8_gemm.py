@@ -39,7 +39,13 @@ def fp8_gemm(
     (None: the variant's default for the shape).
 
     impl "triton" / "interpret": `cfg` a GemmConfig or `fp8_gemm_triton.Fp8Config` (split_k > 1: f32
-    partials over K splits, summed here); None: `fp8_gemm_triton.dense_config(m, n, k)`."""
+    partials over K splits, summed here); None: `fp8_gemm_triton.dense_config(m, n, k)`.
+
+    impl "auto" on CUDA: TileLang's "ws" kernel where `auto_takes_tilelang` says so (prefill shapes), else
+    Triton."""
+    if impl == "auto" and not (cfg or tiling or variant) and auto_takes_tilelang(a, b, out_dtype):
+        impl = "tilelang"
+        variant = "ws"
     impl = resolve(impl, IMPLS)
     if impl == "ref":
         return fp8_gemm_ref(a, a_scale, b, b_scale, out_dtype)
@@ -49,6 +55,22 @@ def fp8_gemm(
         return fp8_gemm_tilelang(a, a_scale, b, b_scale, out_dtype, tiling=tiling, variant=variant)
     cfg = cfg or dense_config(a.shape[0], b.shape[0], a.shape[1])
     return _run(impl, "dense", a, a_scale, b[None], b_scale[None], None, out_dtype, cfg)
+
+
+def auto_takes_tilelang(a, b, out_dtype) -> bool:
+    """Whether impl="auto" runs the TileLang "ws" kernel: on CUDA with TileLang installed, for prefill-sized
+    m (> 64), n and k multiples of 128 and a bf16 result. H200, 2026-12-01 (device time): TileLang 1,169
+    TFLOP/s at 4096x4096x4096 and 1,238 at 4096x7168x7168 (bench_tilelang.py), Triton 928 at 4096x4096x7168
+    (bench_kernels.py). At m = 64, n 4096, k 7168 the two were within 3% (12.8 against 13.2 us), so decode
+    stays on Triton, which also compiles faster for each new shape (every TileLang program is specialised
+    to its (m, n, k))."""
+    from djax.kernels.dispatch import has_tilelang, on_cuda
+
+    m, k = a.shape
+    n = b.shape[0]
+    fits = m > 64 and n % 128 == 0 and k % 128 == 0 and jnp.dtype(out_dtype) == jnp.bfloat16
+    fits = fits and a.dtype == b.dtype == jnp.float8_e4m3fn and b.shape[1] == k
+    return fits and on_cuda() and has_tilelang()
 
 
 def grouped_contiguous(

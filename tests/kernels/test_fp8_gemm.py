@@ -153,6 +153,43 @@ def test_dense_config_splits_k_for_decode():
     assert dense_config(4096, 4096, 7168) == DEFAULT_CFG and DEFAULT_CFG.split_k == 1
 
 
+def test_auto_takes_tilelang_at_prefill_shapes_on_cuda(monkeypatch):
+    """impl="auto" on CUDA with TileLang installed: the TileLang "ws" kernel for m > 64 with n, k multiples of
+    128 and a bf16 result; Triton for decode-sized m, other shapes or dtypes, or an explicit Triton config.
+    The backend is faked and both kernels are stubs: this checks the choice, not the kernels."""
+    import djax.kernels.fp8_gemm as op
+    import djax.kernels.fp8_gemm_tilelang as tl_mod
+    from djax.kernels import dispatch
+
+    monkeypatch.setattr(dispatch, "on_cuda", lambda: True)
+    monkeypatch.setattr(dispatch, "has_tilelang", lambda: True)
+    monkeypatch.setattr(dispatch, "has_triton", lambda: True)
+    taken = []
+    monkeypatch.setattr(
+        tl_mod, "fp8_gemm_tilelang", lambda *a, **kw: taken.append(("tilelang", kw["variant"]))
+    )
+    monkeypatch.setattr(op, "_run", lambda impl, *a: taken.append((impl, None)))
+
+    rng = np.random.default_rng(7)
+
+    def call(m, n, k, out_dtype=jnp.bfloat16, **kw):
+        a, b = jnp.asarray(_fp8(rng, (m, k))), jnp.asarray(_fp8(rng, (n, k)))
+        sa, sb = (
+            jnp.asarray(_scales(rng, (m, -(-k // 128)))),
+            jnp.asarray(_scales(rng, (-(-n // 128), -(-k // 128)))),
+        )
+        fp8_gemm(a, sa, b, sb, out_dtype, **kw)
+        return taken.pop()
+
+    assert call(200, 256, 512) == ("tilelang", "ws")
+    assert call(64, 256, 512) == ("triton", None)  # decode
+    assert call(200, 200, 512) == ("triton", None)  # n not a multiple of 128
+    assert call(200, 256, 512, jnp.float32) == ("triton", None)  # the TileLang kernel writes bf16
+    assert call(200, 256, 512, cfg=DEFAULT_CFG) == ("triton", None)  # a Triton config asks for Triton
+    monkeypatch.setattr(dispatch, "has_tilelang", lambda: False)
+    assert call(200, 256, 512) == ("triton", None)
+
+
 def test_split_k_is_refused_for_grouped():
     """Split-K is dense only: a grouped call with it fails at trace time instead of computing something else."""
     rng = np.random.default_rng(6)

@@ -303,16 +303,22 @@ def test_tilelang_ws_matches_ref_on_gpu(tiling, m, n, k):
 
 @needs_tilelang
 @pytest.mark.gpu
-def test_tilelang_ws_default_through_public_op_in_a_loop():
-    """impl="tilelang", variant="ws" through the public op, called twice inside one jit over different
-    buffers (fresh descriptors per call), and inside a scan (XLA may run it from a command buffer)."""
+@pytest.mark.parametrize("impl", ["tilelang", "auto"])
+def test_tilelang_ws_default_through_public_op_in_a_loop(impl):
+    """impl="tilelang", variant="ws" (or "auto", which takes it at this prefill-sized m) through the public
+    op, called twice inside one jit over different buffers (fresh descriptors per call), and inside a scan
+    (XLA may run it from a command buffer)."""
     if jax.default_backend() != "gpu":
         pytest.skip("needs a CUDA GPU")
-    from djax.kernels.fp8_gemm import fp8_gemm
+    from djax.kernels.fp8_gemm import auto_takes_tilelang, fp8_gemm
 
     m, n, k = 200, 1024, 1024
     x1, x2 = _inputs(7, m, n, k), _inputs(8, m, n, k)
-    f = functools.partial(fp8_gemm, impl="tilelang", variant="ws")
+    if impl == "auto":
+        assert auto_takes_tilelang(x1[0], x1[2], jnp.bfloat16)
+        f = functools.partial(fp8_gemm, impl="auto")
+    else:
+        f = functools.partial(fp8_gemm, impl="tilelang", variant="ws")
     o1, o2 = jax.jit(lambda p, q: (f(*p), f(*q)))(x1, x2)
     ref1 = np.asarray(fp8_gemm_ref(*x1, out_dtype=jnp.float32))
     assert_close(np.asarray(o1.astype(jnp.float32)), ref1, BF16_OUT_RTOL)
