@@ -10,6 +10,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
+from djax.kernels import shapes
 from djax.kernels.dispatch import resolve
 from djax.kernels.fp8_gemm_ref import fp8_gemm_ref, grouped_contiguous_ref, grouped_masked_ref
 from djax.kernels.fp8_gemm_triton import DEFAULT_CFG as FP8_CFG
@@ -43,6 +44,7 @@ def fp8_gemm(
 
     impl "auto" on CUDA: TileLang's "ws" kernel where `auto_takes_tilelang` says so (prefill shapes), else
     Triton."""
+    shapes.fp8_dense(a, a_scale, b, b_scale)
     if impl == "auto" and not (cfg or tiling or variant) and auto_takes_tilelang(a, b, out_dtype):
         impl = "tilelang"
         variant = "ws"
@@ -85,6 +87,7 @@ def grouped_contiguous(
 ):
     """See `fp8_gemm_ref.grouped_contiguous_ref`. Triton: groups start at multiples of cfg.block_m and
     m is a multiple of it (a tile whose first row is -1 is skipped)."""
+    shapes.fp8_contiguous(a, a_scale, b, b_scale, m_indices)
     impl = resolve(impl, GROUPED_IMPLS)
     if impl == "ref":
         return grouped_contiguous_ref(a, a_scale, b, b_scale, m_indices, out_dtype)
@@ -102,6 +105,7 @@ def grouped_masked(
     cfg: GemmConfig | None = None,
 ):
     """See `fp8_gemm_ref.grouped_masked_ref`. Triton: M is a multiple of cfg.block_m."""
+    shapes.fp8_masked(a, a_scale, b, b_scale, masked_m)
     impl = resolve(impl, GROUPED_IMPLS)
     if impl == "ref":
         return grouped_masked_ref(a, a_scale, b, b_scale, masked_m, out_dtype)

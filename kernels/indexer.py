@@ -5,6 +5,7 @@ from __future__ import annotations
 import jax
 import jax.numpy as jnp
 
+from djax.kernels import shapes
 from djax.kernels.dispatch import resolve
 from djax.kernels.indexer_ref import index_scores_ref
 from djax.kernels.topk import topk
@@ -16,6 +17,7 @@ def index_scores(q, keys, weights, lengths, impl: str = "auto", block_s: int = 6
     q [b, H, c]; keys [b, s, c] (same dtype); weights f32[b, H]; lengths int32[b]. Returns f32[b, s].
     The Triton kernel needs H and c powers of two, H >= 16.
     """
+    shapes.index_scores(q, keys, weights, lengths)
     impl = resolve(impl, ("ref", "triton"))
     if impl == "ref":
         return index_scores_ref(q, keys, weights, lengths)

@@ -5,6 +5,7 @@ from __future__ import annotations
 import jax
 import jax.numpy as jnp
 
+from djax.kernels import shapes
 from djax.kernels.dispatch import has_tilelang, on_cuda, resolve
 from djax.kernels.sparse_attn_ref import combine_splits, sparse_decode_ref
 
@@ -41,6 +42,7 @@ def sparse_decode(
     splits): the splits of a row run as one thread-block cluster and merge inside the kernel instead of
     through f32 partials merged after. Unsupported shapes raise ValueError.
     """
+    shapes.sparse_decode(q, window, window_valid, pool, topk, sinks)
     if impl == "auto" and q.dtype == jnp.bfloat16 and on_cuda() and has_tilelang():
         from djax.kernels.sparse_attn_tilelang import default_tiling
 
@@ -95,12 +97,7 @@ def _triton(
 def kernel_operands(q, window, window_valid, pool, topk, sinks, valid_dtype=jnp.int32) -> list:
     """The kernels' operands in launch order: keys in q's dtype, validity as `valid_dtype`, int32 picks,
     f32 sinks. Raises ValueError for inconsistent shapes."""
-    b, h, k = q.shape
-    w, t = window.shape[1], topk.shape[1]
-    if window.shape != (b, w, k) or pool.shape[::2] != (b, k) or window_valid.shape != (b, w):
-        raise ValueError(f"inconsistent shapes q{q.shape} window{window.shape} pool{pool.shape}")
-    if topk.shape != (b, t) or sinks.shape != (h,):
-        raise ValueError(f"inconsistent shapes topk{topk.shape} sinks{sinks.shape} for q{q.shape}")
+    shapes.sparse_decode(q, window, window_valid, pool, topk, sinks)
     return [
         q,
         window.astype(q.dtype),

@@ -7,6 +7,7 @@ import functools
 import jax
 import jax.numpy as jnp
 
+from djax.kernels import shapes
 from djax.kernels.dispatch import resolve
 from djax.kernels.topk_ref import topk_ref
 
@@ -48,6 +49,7 @@ def topk(
     more: one program per row); merge picks the top k of the chunks' candidates with "triton" (chunked
     again where still long) or "ref" (lax.top_k).
     """
+    shapes.topk(scores, k, lengths)
     if impl == "auto" and not auto_takes_kernel(scores.shape[0], k):
         impl = "ref"
     impl = resolve(impl, ("ref", "triton"))

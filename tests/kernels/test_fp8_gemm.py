@@ -190,6 +190,41 @@ def test_auto_takes_tilelang_at_prefill_shapes_on_cuda(monkeypatch):
     assert call(200, 256, 512) == ("triton", None)
 
 
+@pytest.mark.parametrize(
+    "op, shapes, match",
+    [
+        (
+            "dense",
+            ((8, 256), (8, 3), (128, 256), (1, 2)),
+            "a_scale has shape \\[8, 3\\], expected \\[8, 2\\]",
+        ),
+        (
+            "dense",
+            ((8, 256), (8, 2), (128, 384), (1, 3)),
+            "b has shape \\[128, 384\\], expected \\[\\*, 256\\]",
+        ),
+        (
+            "dense",
+            ((8, 256), (8, 2), (256, 256), (1, 2)),
+            "b_scale has shape \\[1, 2\\], expected \\[2, 2\\]",
+        ),
+        ("contiguous", ((8, 256), (8, 2), (2, 128, 256), (2, 1, 2), (7,)), "m_indices has shape \\[7\\]"),
+        ("contiguous", ((8, 256), (8, 2), (2, 128, 256), (1, 1, 2), (8,)), "b_scale has shape \\[1, 1, 2\\]"),
+        ("masked", ((2, 16, 256), (2, 16, 2), (3, 32, 256), (3, 1, 2), (2,)), "b has shape \\[3, 32, 256\\]"),
+        ("masked", ((2, 16, 256), (2, 16, 2), (2, 32, 256), (2, 1, 2), (3,)), "masked_m has shape \\[3\\]"),
+    ],
+)
+@pytest.mark.parametrize("impl", ["ref", "interpret"])
+def test_fp8_ops_name_a_bad_argument(op, shapes, match, impl):
+    """A mis-shaped operand (a scale of the wrong block count above all, which the reference would otherwise
+    truncate silently) fails before any kernel runs, with its name, for every impl."""
+    dtypes = [jnp.float8_e4m3fn, jnp.float32, jnp.float8_e4m3fn, jnp.float32, jnp.int32]
+    args = [jnp.ones(s, d) for s, d in zip(shapes, dtypes)]
+    fn = {"dense": fp8_gemm, "contiguous": grouped_contiguous, "masked": grouped_masked}[op]
+    with pytest.raises(ValueError, match=match):
+        fn(*args, impl=impl)
+
+
 def test_split_k_is_refused_for_grouped():
     """Split-K is dense only: a grouped call with it fails at trace time instead of computing something else."""
     rng = np.random.default_rng(6)

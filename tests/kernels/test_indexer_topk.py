@@ -226,3 +226,36 @@ def test_auto_rule_keeps_lax_top_k_only_for_one_row_with_large_k():
 def test_topk_public_op_rejects_unknown_impl():
     with pytest.raises(ValueError):
         topk(jnp.zeros((1, 4)), 2, impl="radix")
+
+
+@pytest.mark.parametrize(
+    "scores, k, lengths, match",
+    [
+        (np.zeros(10), 3, None, "scores has shape \\[10\\]"),
+        (np.zeros((2, 10)), 3, np.zeros(3, np.int32), "lengths has shape \\[3\\], expected \\[2\\]"),
+        (np.zeros((2, 10)), -1, None, "k must be a non-negative int"),
+        (np.zeros((2, 10)), 2.5, None, "k must be a non-negative int"),
+    ],
+)
+@pytest.mark.parametrize("impl", ["ref", "triton"])
+def test_topk_names_a_bad_argument(scores, k, lengths, match, impl):
+    """Bad input fails before any kernel runs, with the argument named, for every impl."""
+    lengths = None if lengths is None else jnp.asarray(lengths)
+    with pytest.raises(ValueError, match=match):
+        topk(jnp.asarray(scores, jnp.float32), k, lengths, impl=impl)
+
+
+@pytest.mark.parametrize(
+    "shapes, match",
+    [
+        (((2, 4, 8), (2, 16, 4), (2, 4), (2,)), "keys has shape \\[2, 16, 4\\], expected \\[2, \\*, 8\\]"),
+        (((2, 4, 8), (2, 16, 8), (2, 5), (2,)), "weights has shape \\[2, 5\\], expected \\[2, 4\\]"),
+        (((2, 4, 8), (2, 16, 8), (2, 4), (3,)), "lengths has shape \\[3\\], expected \\[2\\]"),
+    ],
+)
+def test_index_scores_names_a_bad_argument(shapes, match):
+    q, keys, weights, lengths = (
+        jnp.ones(s, jnp.int32 if i == 3 else jnp.float32) for i, s in enumerate(shapes)
+    )
+    with pytest.raises(ValueError, match=match):
+        indexer_topk(q, keys, weights, lengths, 2, impl="ref")

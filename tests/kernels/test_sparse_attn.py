@@ -158,3 +158,32 @@ def test_combine_splits_matches_softmax_weighting(n):
     assert_close(via_torch.numpy(), want, 1e-6)
     if n > 1:
         np.testing.assert_allclose(np.asarray(got)[1, 2], part[1, 0, 2], rtol=1e-6)
+
+
+@pytest.mark.parametrize(
+    "bad, match",
+    [
+        ("window", "window has shape \\[2, 8, 32\\], expected \\[2, \\*, 64\\]"),
+        ("window_valid", "window_valid has shape \\[2, 7\\], expected \\[2, 8\\]"),
+        ("pool", "pool has shape \\[3, 16, 64\\], expected \\[2, \\*, 64\\]"),
+        ("topk", "topk has shape \\[2\\], expected \\[2, \\*\\]"),
+        ("sinks", "sinks has shape \\[4\\], expected \\[16\\]"),
+    ],
+)
+@pytest.mark.parametrize("impl", ["ref", "triton"])
+def test_sparse_decode_names_a_bad_argument(bad, match, impl):
+    """An operand of the wrong shape fails before any kernel runs, with its name, for every impl."""
+    good = dict(
+        q=((2, 16, 64), jnp.bfloat16),
+        window=((2, 8, 64), jnp.bfloat16),
+        window_valid=((2, 8), jnp.bool_),
+        pool=((2, 16, 64), jnp.bfloat16),
+        topk=((2, 4), jnp.int32),
+        sinks=((16,), jnp.float32),
+    )
+    wrong = dict(window=(2, 8, 32), window_valid=(2, 7), pool=(3, 16, 64), topk=(2,), sinks=(4,))
+    args = {
+        name: jnp.ones(wrong[name] if name == bad else shape, dtype) for name, (shape, dtype) in good.items()
+    }
+    with pytest.raises(ValueError, match=match):
+        sparse_decode(**args, scale=0.1, impl=impl)

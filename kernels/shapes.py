@@ -1,0 +1,88 @@
+"""Shape checks at the public ops' entry, for every impl: a wrong operand fails at trace time with a
+ValueError naming it, instead of broadcasting, truncating a scale or surfacing as an einsum error."""
+
+from __future__ import annotations
+
+import operator
+
+BLOCK = 128  # the FP8 scale block along k (and along n for the weights)
+
+
+def expect(op: str, name: str, x, shape: tuple) -> None:
+    """Raises ValueError unless x.shape == shape (None in `shape` matches any size)."""
+    ok = x.ndim == len(shape) and all(want is None or got == want for got, want in zip(x.shape, shape))
+    if not ok:
+        want = "[" + ", ".join("*" if s is None else str(s) for s in shape) + "]"
+        raise ValueError(f"{op}: {name} has shape {list(x.shape)}, expected {want}")
+
+
+def _blocks(n: int) -> int:
+    return -(-n // BLOCK)
+
+
+def fp8_dense(a, a_scale, b, b_scale) -> None:
+    """a [m, k], a_scale [m, ceil(k/128)], b [n, k], b_scale [ceil(n/128), ceil(k/128)]."""
+    expect("fp8_gemm", "a", a, (None, None))
+    m, k = a.shape
+    expect("fp8_gemm", "b", b, (None, k))
+    expect("fp8_gemm", "a_scale", a_scale, (m, _blocks(k)))
+    expect("fp8_gemm", "b_scale", b_scale, (_blocks(b.shape[0]), _blocks(k)))
+
+
+def fp8_contiguous(a, a_scale, b, b_scale, m_indices) -> None:
+    """a [m, k] (rows sorted by group), b [g, n, k], scales as for fp8_dense per group, m_indices [m]."""
+    op = "grouped_contiguous"
+    expect(op, "a", a, (None, None))
+    m, k = a.shape
+    expect(op, "b", b, (None, None, k))
+    g, n = b.shape[:2]
+    expect(op, "a_scale", a_scale, (m, _blocks(k)))
+    expect(op, "b_scale", b_scale, (g, _blocks(n), _blocks(k)))
+    expect(op, "m_indices", m_indices, (m,))
+
+
+def fp8_masked(a, a_scale, b, b_scale, masked_m) -> None:
+    """a [g, M, k], b [g, n, k], a_scale [g, M, ceil(k/128)], b_scale [g, ceil(n/128), ceil(k/128)],
+    masked_m [g]."""
+    op = "grouped_masked"
+    expect(op, "a", a, (None, None, None))
+    g, rows, k = a.shape
+    expect(op, "b", b, (g, None, k))
+    expect(op, "a_scale", a_scale, (g, rows, _blocks(k)))
+    expect(op, "b_scale", b_scale, (g, _blocks(b.shape[1]), _blocks(k)))
+    expect(op, "masked_m", masked_m, (g,))
+
+
+def topk(scores, k, lengths) -> None:
+    """scores [b, s]; k a non-negative int (it may exceed s: the missing picks are -1); lengths [b] or None."""
+    expect("topk", "scores", scores, (None, None))
+    try:
+        valid = not isinstance(k, bool) and operator.index(k) >= 0
+    except TypeError:
+        valid = False
+    if not valid:
+        raise ValueError(f"topk: k must be a non-negative int, got {k!r}")
+    if lengths is not None:
+        expect("topk", "lengths", lengths, (scores.shape[0],))
+
+
+def sparse_decode(q, window, window_valid, pool, topk, sinks) -> None:
+    """q [b, h, d]; window [b, W, d]; window_valid [b, W]; pool [b, C, d]; topk [b, T]; sinks [h]."""
+    op = "sparse_decode"
+    expect(op, "q", q, (None, None, None))
+    b, h, d = q.shape
+    expect(op, "window", window, (b, None, d))
+    expect(op, "window_valid", window_valid, (b, window.shape[1]))
+    expect(op, "pool", pool, (b, None, d))
+    expect(op, "topk", topk, (b, None))
+    expect(op, "sinks", sinks, (h,))
+
+
+def index_scores(q, keys, weights, lengths) -> None:
+    """q [b, H, c]; keys [b, s, c]; weights [b, H]; lengths [b]."""
+    op = "index_scores"
+    expect(op, "q", q, (None, None, None))
+    b, h, c = q.shape
+    expect(op, "keys", keys, (b, None, c))
+    expect(op, "weights", weights, (b, h))
+    expect(op, "lengths", lengths, (b,))
