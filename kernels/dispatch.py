@@ -3,6 +3,9 @@
 from __future__ import annotations
 
 import importlib.util
+import os
+import shutil
+from pathlib import Path
 
 import jax
 
@@ -20,7 +23,16 @@ def has_triton() -> bool:
 
 
 def has_tilelang() -> bool:
-    return importlib.util.find_spec("tilelang") is not None
+    """TileLang importable and nvcc found: every TileLang kernel here is compiled to a cubin by nvcc."""
+    return importlib.util.find_spec("tilelang") is not None and nvcc_path() is not None
+
+
+def nvcc_path() -> str | None:
+    """nvcc under $CUDA_HOME, $CUDA_PATH or /usr/local/cuda, else on PATH; None if there is none."""
+    for root in (os.environ.get("CUDA_HOME"), os.environ.get("CUDA_PATH"), "/usr/local/cuda"):
+        if root and (Path(root) / "bin" / "nvcc").exists():
+            return str(Path(root) / "bin" / "nvcc")
+    return shutil.which("nvcc")
 
 
 def resolve(impl: str, allowed: tuple[str, ...], fast: str | None = "triton") -> str:

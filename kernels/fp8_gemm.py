@@ -10,7 +10,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from djax.kernels import shapes
+from djax.kernels import dispatch, shapes
 from djax.kernels.dispatch import resolve
 from djax.kernels.fp8_gemm_ref import fp8_gemm_ref, grouped_contiguous_ref, grouped_masked_ref
 from djax.kernels.fp8_gemm_triton import DEFAULT_CFG as FP8_CFG
@@ -42,12 +42,15 @@ def fp8_gemm(
     impl "triton" / "interpret": `cfg` a GemmConfig or `fp8_gemm_triton.Fp8Config` (split_k > 1: f32
     partials over K splits, summed here); None: `fp8_gemm_triton.dense_config(m, n, k)`.
 
-    impl "auto" on CUDA: TileLang's "ws" kernel where `auto_takes_tilelang` says so (prefill shapes), else
-    Triton."""
+    impl "auto" on CUDA: TileLang's "ws" kernel where `auto_takes_tilelang` says so (prefill shapes), or
+    TileLang wherever a `tiling` or `variant` is given and it is installed, else Triton (`cfg` given: always)."""
     shapes.fp8_dense(a, a_scale, b, b_scale)
-    if impl == "auto" and not (cfg or tiling or variant) and auto_takes_tilelang(a, b, out_dtype):
-        impl = "tilelang"
-        variant = "ws"
+    if impl == "auto" and cfg is None:
+        if tiling is not None or variant is not None:  # TileLang's options: take it where it runs
+            if dispatch.on_cuda() and dispatch.has_tilelang():
+                impl = "tilelang"
+        elif auto_takes_tilelang(a, b, out_dtype):
+            impl, variant = "tilelang", "ws"
     impl = resolve(impl, IMPLS)
     if impl == "ref":
         return fp8_gemm_ref(a, a_scale, b, b_scale, out_dtype)
@@ -60,19 +63,26 @@ def fp8_gemm(
 
 
 def auto_takes_tilelang(a, b, out_dtype) -> bool:
-    """Whether impl="auto" runs the TileLang "ws" kernel: on CUDA with TileLang installed, for prefill-sized
-    m (> 64), n and k multiples of 128 and a bf16 result. H200, 2026-12-01 (device time): TileLang 1,169
-    TFLOP/s at 4096x4096x4096 and 1,238 at 4096x7168x7168 (bench_tilelang.py), Triton 928 at 4096x4096x7168
-    (bench_kernels.py). At m = 64, n 4096, k 7168 the two were within 3% (12.8 against 13.2 us), so decode
-    stays on Triton, which also compiles faster for each new shape (every TileLang program is specialised
-    to its (m, n, k))."""
-    from djax.kernels.dispatch import has_tilelang, on_cuda
+    """Whether impl="auto" runs the TileLang "ws" kernel: on CUDA with TileLang (and nvcc) installed, for fp8
+    e4m3 operands with n and k multiples of 128, a bf16 result, and m large enough that the default tiling's
+    CTAs fill the GPU at least twice over (at 128x256 tiles and n 4,096: m above 2,048).
+
+    H200, 2026-12-01 (device time): TileLang 1,169 TFLOP/s at 4096x4096x4096 (512 CTAs) and 1,238 at
+    4096x7168x7168 (896 CTAs; bench_tilelang.py), Triton 928 at 4096x4096x7168 (bench_kernels.py). Between
+    m = 64 and 4,096 neither was measured: there the TileLang tiles, twice as wide, leave more SMs idle than
+    Triton's, so smaller m stays on Triton. At m = 64, n 4096, k 7168 the two were within 3% (12.8 against
+    13.2 us), and Triton compiles a new shape faster (each TileLang program is specialised to its (m, n, k))."""
+    from djax.kernels.fp8_gemm_tilelang import H200_SMS, default_ws_tiling
 
     m, k = a.shape
     n = b.shape[0]
-    fits = m > 64 and n % 128 == 0 and k % 128 == 0 and jnp.dtype(out_dtype) == jnp.bfloat16
-    fits = fits and a.dtype == b.dtype == jnp.float8_e4m3fn and b.shape[1] == k
-    return fits and on_cuda() and has_tilelang()
+    fits = n % 128 == 0 and k % 128 == 0 and jnp.dtype(out_dtype) == jnp.bfloat16
+    fits = fits and a.dtype == b.dtype == jnp.float8_e4m3fn and b.shape[1] == k and m > 64
+    if not fits:
+        return False
+    t = default_ws_tiling(m, n, k)
+    ctas = -(-m // t.block_m) * (n // t.block_n) * t.split_k
+    return ctas >= 2 * H200_SMS and dispatch.on_cuda() and dispatch.has_tilelang()
 
 
 def grouped_contiguous(

@@ -25,7 +25,6 @@ Compiling needs TileLang 0.1.15 and, for the cubin, nvcc (13.0 here and on the H
 import functools
 import hashlib
 import os
-import shutil
 import subprocess
 import tempfile
 from dataclasses import dataclass
@@ -467,10 +466,9 @@ def lower_ws(m: int, n: int, k: int, tiling: WsTiling | None = None) -> tuple[st
 
 
 def _nvcc() -> str:
-    for root in (os.environ.get("CUDA_HOME"), os.environ.get("CUDA_PATH"), "/usr/local/cuda"):
-        if root and (Path(root) / "bin" / "nvcc").exists():
-            return str(Path(root) / "bin" / "nvcc")
-    found = shutil.which("nvcc")
+    from djax.kernels.dispatch import nvcc_path
+
+    found = nvcc_path()
     if found is None:
         raise RuntimeError("nvcc not found: set CUDA_HOME")
     return found

@@ -154,9 +154,11 @@ def test_dense_config_splits_k_for_decode():
 
 
 def test_auto_takes_tilelang_at_prefill_shapes_on_cuda(monkeypatch):
-    """impl="auto" on CUDA with TileLang installed: the TileLang "ws" kernel for m > 64 with n, k multiples of
-    128 and a bf16 result; Triton for decode-sized m, other shapes or dtypes, or an explicit Triton config.
-    The backend is faked and both kernels are stubs: this checks the choice, not the kernels."""
+    """impl="auto" on CUDA with TileLang installed: the TileLang "ws" kernel for fp8 operands with n, k
+    multiples of 128, a bf16 result and at least two waves of its tiles (2 x 132 CTAs); Triton for fewer
+    tiles, decode-sized m, other shapes or dtypes, or an explicit Triton config; TileLang wherever a variant is
+    asked for; the reference off CUDA. The backend is faked and the kernels are stubs: this checks the
+    choice, not the kernels."""
     import djax.kernels.fp8_gemm as op
     import djax.kernels.fp8_gemm_tilelang as tl_mod
     from djax.kernels import dispatch
@@ -172,22 +174,30 @@ def test_auto_takes_tilelang_at_prefill_shapes_on_cuda(monkeypatch):
 
     rng = np.random.default_rng(7)
 
-    def call(m, n, k, out_dtype=jnp.bfloat16, **kw):
+    def call(m, n, k, out_dtype=jnp.bfloat16, a_dtype=None, **kw):
         a, b = jnp.asarray(_fp8(rng, (m, k))), jnp.asarray(_fp8(rng, (n, k)))
-        sa, sb = (
-            jnp.asarray(_scales(rng, (m, -(-k // 128)))),
-            jnp.asarray(_scales(rng, (-(-n // 128), -(-k // 128)))),
-        )
+        if a_dtype is not None:
+            a = a.astype(a_dtype)
+        sa = jnp.asarray(_scales(rng, (m, -(-k // 128))))
+        sb = jnp.asarray(_scales(rng, (-(-n // 128), -(-k // 128))))
         fp8_gemm(a, sa, b, sb, out_dtype, **kw)
-        return taken.pop()
+        return taken.pop() if taken else "ref"
 
-    assert call(200, 256, 512) == ("tilelang", "ws")
-    assert call(64, 256, 512) == ("triton", None)  # decode
-    assert call(200, 200, 512) == ("triton", None)  # n not a multiple of 128
-    assert call(200, 256, 512, jnp.float32) == ("triton", None)  # the TileLang kernel writes bf16
-    assert call(200, 256, 512, cfg=DEFAULT_CFG) == ("triton", None)  # a Triton config asks for Triton
+    # 128x256 tiles: 17 x 16 = 272 CTAs at m 2176, n 4096; 16 x 16 = 256 at m 2048, under two waves
+    assert call(2176, 4096, 256) == ("tilelang", "ws")
+    assert call(2048, 4096, 256) == ("triton", None)
+    assert call(64, 4096, 256) == ("triton", None)  # decode
+    assert call(2176, 4096, 200) == ("triton", None)  # k not a multiple of 128
+    assert call(2176, 4000, 256) == ("triton", None)  # n not a multiple of 128
+    assert call(2176, 4096, 256, jnp.float32) == ("triton", None)  # the TileLang kernel writes bf16
+    assert call(2176, 4096, 256, a_dtype=jnp.float32) == ("triton", None)  # it takes fp8 e4m3 only
+    assert call(2176, 4096, 256, cfg=DEFAULT_CFG) == ("triton", None)  # a Triton config asks for Triton
+    assert call(200, 256, 512, variant="ws") == ("tilelang", "ws")  # a TileLang variant asks for TileLang
     monkeypatch.setattr(dispatch, "has_tilelang", lambda: False)
-    assert call(200, 256, 512) == ("triton", None)
+    assert call(2176, 4096, 256) == ("triton", None)
+    monkeypatch.setattr(dispatch, "has_tilelang", lambda: True)
+    monkeypatch.setattr(dispatch, "on_cuda", lambda: False)
+    assert call(2176, 4096, 256) == "ref"
 
 
 @pytest.mark.parametrize(

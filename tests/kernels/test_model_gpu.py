@@ -16,17 +16,24 @@ def _rel(a, b):
     return float(np.abs(a - b).max() / np.abs(b).max())
 
 
-def _typical_rel(a, b):
-    """The median over rows (every axis but the last) of each row's largest error, relative to b's largest
-    entry. These random-weight models are chaotic in bf16: a rounding difference flips a near-tied expert or
-    index pick now and then, and that row's logits move by 5-37% of the largest. On the H200 (tiny-v41, 9
-    decode steps x 4 rows) both bf16 paths had such a flip in about a quarter of the rows, at different rows
-    and steps, and two runs of the same inputs flipped differently (the last step's largest error, fast
-    against slow: 0.120 vs 0.036 in one run, 0.041 vs 0.129 in the other). The largest error over all rows
-    measures whether a flip happened; the median measures the arithmetic (about 1.5% for both paths)."""
+def _typical_rel(a, b, per=None):
+    """The median over positions of each position's largest logit error, relative to b's largest entry; with
+    `per` = n, one median for each of the n leading rows (a sequence each), else one over all positions.
+
+    These random-weight models are chaotic in bf16: a rounding difference flips a near-tied expert or index
+    pick now and then, and that position's logits move by 5-37% of the largest. On the H200 (tiny-v41, the
+    prefill's and 8 decode steps' logits x 4 sequences) both bf16 paths had such a flip at about a quarter of
+    the positions, at different ones, and two runs of the same inputs flipped differently (the last step's
+    largest error, fast against slow: 0.120 vs 0.036 in one run, 0.041 vs 0.129 in the other). The largest
+    error measures whether a flip happened; the median measures the arithmetic (about 1.5% for both paths).
+    A fast path wrong at a minority of positions is the kernel tests' to catch (`test_grouped_gemm_gpu.py`:
+    moe_experts against the dense float32 twin, every element, partial tiles); the per-sequence medians here
+    catch one wrong sequence."""
     a, b = np.asarray(a, np.float64), np.asarray(b, np.float64)
-    rows = np.abs(a - b).reshape(-1, a.shape[-1]).max(-1)
-    return float(np.median(rows) / np.abs(b).max())
+    errs = np.abs(a - b).max(-1) / np.abs(b).max()
+    if per is None:
+        return float(np.median(errs))
+    return np.median(errs.reshape(per, -1), axis=1)
 
 
 @pytest.mark.parametrize("name", ["tiny-v4", "tiny-v41"])
@@ -44,11 +51,13 @@ def test_forward_and_decode_fast_paths_within_bf16_error(name):
     truth = djax.forward(p32, tokens, cfg, moe_impl="dense")
     slow = djax.forward(pbf, tokens, bf, moe_impl="dense")
     fast = djax.forward(pbf, tokens, bf, moe_impl="grouped")
-    err_slow, err_fast = _typical_rel(slow, truth), _typical_rel(fast, truth)
-    # The fast path may round differently, but no worse than the bf16 slow twin does (plus slack for order).
-    assert err_fast <= 2 * err_slow + 1e-3, (err_fast, err_slow)
+    # Per sequence (96 positions each): the fast path may round differently, but no worse than the bf16 slow
+    # twin does (plus slack for order).
+    err_slow, err_fast = _typical_rel(slow, truth, per=4), _typical_rel(fast, truth, per=4)
+    assert (err_fast <= 2 * err_slow + 1e-3).all(), (err_fast, err_slow)
 
-    # Teacher-forced decode steps through the state: every step's logits, judged the same way.
+    # Teacher-forced decode steps through the state: every step's logits, judged the same way over all of
+    # them (8 steps are too few for a median per sequence).
     lens = jnp.full((4,), 64, jnp.int32)
 
     def decode(p, c, impl):
