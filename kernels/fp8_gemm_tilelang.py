@@ -452,6 +452,40 @@ def _one_kernel(art) -> tuple[object, dict]:
     return fn, launch
 
 
+def lowered_on_disk(name: str, args: tuple, lower, files: tuple[str, ...]) -> tuple[str, dict]:
+    """`lower(*args)` -> (CUDA source, launch description), kept on disk beside the cubins as JSON: lowering
+    takes seconds per shape and tiling and depends only on `args`, TileLang's version and the text of
+    `files` (the modules that write the program), all in the key. TensorMap parameters round-trip."""
+    import dataclasses
+    import importlib.metadata
+    import json
+
+    from djax.ffi.build import cache_dir
+    from djax.ffi.tma import TensorMap
+
+    text = "".join(Path(f).read_text() for f in files)
+    version = importlib.metadata.version("tilelang")  # not `import tilelang`: that alone takes seconds
+    key = hashlib.sha256(repr((args, version, text)).encode()).hexdigest()[:24]
+    path = cache_dir().parent / "tilelang" / f"{name}-{key}.json"
+    if path.exists():
+        saved = json.loads(path.read_text())
+        launch = saved["launch"]
+        params = tuple(
+            TensorMap(**{f: tuple(v) if isinstance(v, list) else v for f, v in p.items()})
+            if isinstance(p, dict)
+            else p
+            for p in launch["params"]
+        )
+        return saved["source"], {**launch, "grid": tuple(launch["grid"]), "params": params}
+    source, launch = lower(*args)
+    params = [dataclasses.asdict(p) if isinstance(p, TensorMap) else p for p in launch["params"]]
+    path.parent.mkdir(parents=True, exist_ok=True)
+    part = path.with_suffix(f".{os.getpid()}.part")
+    part.write_text(json.dumps({"source": source, "launch": {**launch, "params": params}}))
+    os.replace(part, path)  # atomic: a concurrent reader sees the whole file or none
+    return source, launch
+
+
 def lower_ws(m: int, n: int, k: int, tiling: WsTiling | None = None) -> tuple[str, dict]:
     """CUDA source and launch description of the TMA + warp-specialised variant: grid, threads (producer
     warpgroup included), shared_bytes, name, and params (per kernel parameter: an FFI buffer index for a pointer,
@@ -474,25 +508,35 @@ def _nvcc() -> str:
     return found
 
 
+@functools.cache
+def _nvcc_version(nvcc: str) -> str:
+    return subprocess.run([nvcc, "--version"], capture_output=True, text=True).stdout
+
+
 def nvcc_cubin(source: str) -> bytes:
-    """Compiles TileLang's CUDA source to an sm_90a cubin, cached on disk by source and compiler."""
-    from tilelang.env import CUTLASS_INCLUDE_DIR, TILELANG_TEMPLATE_PATH
+    """Compiles TileLang's CUDA source to an sm_90a cubin, cached on disk by source, compiler and TileLang
+    version (its headers are the version's). TileLang itself is imported only to compile: that takes seconds."""
+    import importlib.metadata
 
     from djax.ffi.build import cache_dir
 
     nvcc = _nvcc()
     flags = ["-cubin", f"-arch={_ARCH}", "-O3", "-std=c++20", "-w"]
-    flags += [f"-I{TILELANG_TEMPLATE_PATH}", f"-I{CUTLASS_INCLUDE_DIR}"]
-    version = subprocess.run([nvcc, "--version"], capture_output=True, text=True).stdout
-    key = hashlib.sha256("\0".join([source, version, *flags]).encode()).hexdigest()[:24]
+    headers = "tilelang " + importlib.metadata.version("tilelang")
+    key = hashlib.sha256("\0".join([source, _nvcc_version(nvcc), headers, *flags]).encode()).hexdigest()[:24]
     out = cache_dir().parent / "tilelang" / f"fp8_gemm-{key}.cubin"
     if not out.exists():
+        from tilelang.env import CUTLASS_INCLUDE_DIR, TILELANG_TEMPLATE_PATH
+
         out.parent.mkdir(parents=True, exist_ok=True)
         with tempfile.TemporaryDirectory(dir=out.parent) as tmp:
             src = Path(tmp) / "kernel.cu"
             src.write_text(source)
             part = Path(tmp) / out.name
-            run = subprocess.run([nvcc, *flags, str(src), "-o", str(part)], capture_output=True, text=True)
+            includes = [f"-I{TILELANG_TEMPLATE_PATH}", f"-I{CUTLASS_INCLUDE_DIR}"]
+            run = subprocess.run(
+                [nvcc, *flags, *includes, str(src), "-o", str(part)], capture_output=True, text=True
+            )
             if run.returncode:
                 raise RuntimeError(f"nvcc failed on TileLang's source:\n{run.stderr[-4000:]}")
             os.replace(part, out)
@@ -516,7 +560,8 @@ def ws_kernel(m: int, n: int, k: int, tiling: WsTiling | None = None):
     """Lowers and compiles (no GPU needed) the TMA + warp-specialised variant: a `djax.ffi.tma.TmaKernel`."""
     from djax.ffi.tma import TmaKernel
 
-    source, launch = lower_ws(m, n, k, tiling)
+    tiling = tiling or default_ws_tiling(m, n, k)
+    source, launch = lowered_on_disk("fp8_gemm_ws", (m, n, k, tiling), lower_ws, (__file__,))
     binary = nvcc_cubin(source)
     key = "tlws-" + hashlib.sha256(binary).hexdigest()[:24]
     return TmaKernel(

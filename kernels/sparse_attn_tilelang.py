@@ -22,16 +22,13 @@ call order, then results). Compiling needs TileLang 0.1.15 and nvcc, not a GPU.
 
 import functools
 import hashlib
-import json
 import math
-import os
 from dataclasses import dataclass
-from pathlib import Path
 
 import jax
 import jax.numpy as jnp
 
-from djax.kernels.fp8_gemm_tilelang import _lower, nvcc_cubin, pointer_kernel
+from djax.kernels.fp8_gemm_tilelang import _lower, lowered_on_disk, nvcc_cubin, pointer_kernel
 from djax.kernels.sparse_attn_ref import combine_splits
 
 HEADS = 64  # wgmma M: one CTA takes 64 heads of one row
@@ -648,25 +645,10 @@ def _with_cluster(source: str, name: str, dims: tuple[int, int, int]) -> str:
 
 
 def _lowered_on_disk(b: int, h: int, k: int, w: int, c: int, t: int, scale: float, tiling: Tiling):
-    """`lower_cuda`, kept on disk beside the cubins: lowering takes 5-15 s per shape and tiling, and depends
-    only on the arguments, this module's text and TileLang's version (all in the key)."""
-    import tilelang
-
-    from djax.ffi.build import cache_dir
-
-    text = Path(__file__).read_text() + Path(_lower.__code__.co_filename).read_text()
-    key = hashlib.sha256(repr((b, h, k, w, c, t, scale, tiling, tilelang.__version__, text)).encode())
-    path = cache_dir().parent / "tilelang" / f"sparse_decode-{key.hexdigest()[:24]}.json"
-    if path.exists():
-        saved = json.loads(path.read_text())
-        launch = saved["launch"]
-        return saved["source"], {**launch, "grid": tuple(launch["grid"]), "params": tuple(launch["params"])}
-    source, launch = lower_cuda(b, h, k, w, c, t, scale, tiling)
-    path.parent.mkdir(parents=True, exist_ok=True)
-    part = path.with_suffix(f".{os.getpid()}.part")
-    part.write_text(json.dumps({"source": source, "launch": launch}))
-    os.replace(part, path)  # atomic: a concurrent reader sees the whole file or none
-    return source, launch
+    """`lower_cuda`, kept on disk beside the cubins: lowering takes 5-15 s per shape and tiling (key: the
+    arguments, TileLang's version, this module and the one holding `_lower`)."""
+    files = (__file__, _lower.__code__.co_filename)
+    return lowered_on_disk("sparse_decode", (b, h, k, w, c, t, scale, tiling), lower_cuda, files)
 
 
 @functools.cache

@@ -129,6 +129,31 @@ def test_ws_descriptors_match_kernel(m, n, k, tiling):
 
 
 @needs_tilelang
+def test_ws_lowering_is_kept_on_disk(tmp_path, monkeypatch):
+    """The second lowering of a shape comes from disk, tensor maps included, equal to the first; another shape
+    or tiling lowers afresh."""
+    monkeypatch.setenv("DJAX_FFI_CACHE", str(tmp_path / "ffi"))
+    from djax.ffi.tma import TensorMap
+    from djax.kernels import fp8_gemm_tilelang as tl_mod
+
+    calls = []
+
+    def counting(*args):
+        calls.append(args)
+        return tl_mod.lower_ws(*args)
+
+    t = tl_mod.WsTiling(128, 128, 3, panel=8)
+    first = tl_mod.lowered_on_disk("fp8_gemm_ws", (200, 512, 1024, t), counting, (tl_mod.__file__,))
+    again = tl_mod.lowered_on_disk("fp8_gemm_ws", (200, 512, 1024, t), counting, (tl_mod.__file__,))
+    assert len(calls) == 1 and again == first
+    assert any(isinstance(p, TensorMap) for p in again[1]["params"])
+    tl_mod.lowered_on_disk(
+        "fp8_gemm_ws", (200, 512, 1024, tl_mod.WsTiling(128, 128, 4)), counting, (tl_mod.__file__,)
+    )
+    assert len(calls) == 2
+
+
+@needs_tilelang
 @needs_nvcc
 @pytest.mark.slow
 @pytest.mark.parametrize("phase", ["prefill", "decode"])
