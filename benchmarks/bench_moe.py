@@ -235,7 +235,7 @@ def fp8_cases(record, small: bool):
         )
         if m <= 64:
             # What any kernel needs at this size just to stream the weights once: XLA's max over their bytes
-            # (as uint32). Below about 100 MB a pass pays launch and ramp-up that the 2 GiB copy figure hides.
+            # (as uint32). At tens of MB a pass pays launch and ramp-up that the 2 GiB copy figure hides.
             record(
                 "fp8_gemm",
                 shape,

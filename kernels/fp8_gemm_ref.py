@@ -15,12 +15,13 @@ FP8_MAX = 448.0
 BLOCK = 128
 
 
-def _blocks(n: int) -> int:
+def scale_blocks(n: int) -> int:
+    """Scale blocks along an axis of n entries: ceil(n / 128), a partial last block included."""
     return -(-n // BLOCK)
 
 
 def _expand(scale, axis: int, size: int):
-    return jnp.repeat(scale, BLOCK, axis=axis, total_repeat_length=_blocks(size) * BLOCK).take(
+    return jnp.repeat(scale, BLOCK, axis=axis, total_repeat_length=scale_blocks(size) * BLOCK).take(
         jnp.arange(size), axis
     )
 
@@ -28,8 +29,10 @@ def _expand(scale, axis: int, size: int):
 def quantize_act(x):
     """x [..., m, k] -> (fp8[..., m, k], f32[..., m, ceil(k/128)]): one scale per row and 128 columns."""
     *lead, m, k = x.shape
-    pad = _blocks(k) * BLOCK - k
-    xb = jnp.pad(x.astype(F32), [(0, 0)] * (len(lead) + 1) + [(0, pad)]).reshape(*lead, m, _blocks(k), BLOCK)
+    pad = scale_blocks(k) * BLOCK - k
+    xb = jnp.pad(x.astype(F32), [(0, 0)] * (len(lead) + 1) + [(0, pad)]).reshape(
+        *lead, m, scale_blocks(k), BLOCK
+    )
     s = jnp.maximum(jnp.abs(xb).max(-1), 1e-12) / FP8_MAX
     q = (xb / s[..., None]).reshape(*lead, m, -1)[..., :k].astype(FP8)
     return q, s
@@ -38,7 +41,7 @@ def quantize_act(x):
 def quantize_weight(w):
     """w [..., n, k] -> (fp8[..., n, k], f32[..., ceil(n/128), ceil(k/128)]): one scale per 128x128 block."""
     *lead, n, k = w.shape
-    nb, kb = _blocks(n), _blocks(k)
+    nb, kb = scale_blocks(n), scale_blocks(k)
     wp = jnp.pad(w.astype(F32), [(0, 0)] * len(lead) + [(0, nb * BLOCK - n), (0, kb * BLOCK - k)])
     wb = wp.reshape(*lead, nb, BLOCK, kb, BLOCK)
     s = jnp.maximum(jnp.abs(wb).max((-3, -1)), 1e-12) / FP8_MAX

@@ -5,7 +5,7 @@ from __future__ import annotations
 
 import operator
 
-BLOCK = 128  # the FP8 scale block along k (and along n for the weights)
+from djax.kernels.fp8_gemm_ref import scale_blocks
 
 
 def expect(op: str, name: str, x, shape: tuple) -> None:
@@ -16,17 +16,13 @@ def expect(op: str, name: str, x, shape: tuple) -> None:
         raise ValueError(f"{op}: {name} has shape {list(x.shape)}, expected {want}")
 
 
-def _blocks(n: int) -> int:
-    return -(-n // BLOCK)
-
-
 def fp8_dense(a, a_scale, b, b_scale) -> None:
     """a [m, k], a_scale [m, ceil(k/128)], b [n, k], b_scale [ceil(n/128), ceil(k/128)]."""
     expect("fp8_gemm", "a", a, (None, None))
     m, k = a.shape
     expect("fp8_gemm", "b", b, (None, k))
-    expect("fp8_gemm", "a_scale", a_scale, (m, _blocks(k)))
-    expect("fp8_gemm", "b_scale", b_scale, (_blocks(b.shape[0]), _blocks(k)))
+    expect("fp8_gemm", "a_scale", a_scale, (m, scale_blocks(k)))
+    expect("fp8_gemm", "b_scale", b_scale, (scale_blocks(b.shape[0]), scale_blocks(k)))
 
 
 def fp8_contiguous(a, a_scale, b, b_scale, m_indices) -> None:
@@ -36,8 +32,8 @@ def fp8_contiguous(a, a_scale, b, b_scale, m_indices) -> None:
     m, k = a.shape
     expect(op, "b", b, (None, None, k))
     g, n = b.shape[:2]
-    expect(op, "a_scale", a_scale, (m, _blocks(k)))
-    expect(op, "b_scale", b_scale, (g, _blocks(n), _blocks(k)))
+    expect(op, "a_scale", a_scale, (m, scale_blocks(k)))
+    expect(op, "b_scale", b_scale, (g, scale_blocks(n), scale_blocks(k)))
     expect(op, "m_indices", m_indices, (m,))
 
 
@@ -48,8 +44,8 @@ def fp8_masked(a, a_scale, b, b_scale, masked_m) -> None:
     expect(op, "a", a, (None, None, None))
     g, rows, k = a.shape
     expect(op, "b", b, (g, None, k))
-    expect(op, "a_scale", a_scale, (g, rows, _blocks(k)))
-    expect(op, "b_scale", b_scale, (g, _blocks(b.shape[1]), _blocks(k)))
+    expect(op, "a_scale", a_scale, (g, rows, scale_blocks(k)))
+    expect(op, "b_scale", b_scale, (g, scale_blocks(b.shape[1]), scale_blocks(k)))
     expect(op, "masked_m", masked_m, (g,))
 
 
