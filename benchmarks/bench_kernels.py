@@ -28,7 +28,7 @@ from profile_decode import kernel_table  # noqa: E402
 
 from djax.kernels.indexer import index_scores, indexer_topk
 from djax.kernels.sparse_attn import sparse_decode
-from djax.kernels.topk import chunk_size, topk
+from djax.kernels.topk import chunk_size, grid_chunk, topk
 
 BF16 = jnp.bfloat16
 COPY_BW = 4.3e12  # measured device copy bandwidth on the lent H200 (bytes read + written per second)
@@ -395,6 +395,7 @@ def run(
                 (64, 2048, 512, []),
                 (64, 129280, 50, [65536, 16384]),
                 (1, 262144, 512, [2048, 4096, 8192]),
+                (2, 262144, 512, [4096, 8192]),
                 (4, 262144, 512, [4096, 8192, 16384]),
                 (8, 262144, 512, [8192, 16384, 32768]),
                 (1, 129280, 50, [1024, 2048, 4096]),
@@ -410,17 +411,26 @@ def run(
             tr = record(
                 "topk", shape, "xla lax.top_k", lambda x, k=k: topk(x, k, impl="ref"), sets, 0, nbytes
             )
-            variants = [(f"triton 1-stage blk{blk} w16", dict(block=blk, chunk=s)) for blk in (2048, 4096)]
-            variants += [(f"triton chunk{c} blk2048 w16", dict(block=2048, chunk=c)) for c in chunks]
+            variants = [
+                (f"triton 1-stage blk{blk} w16", dict(block=blk, chunk=s, method="chunked"))
+                for blk in (2048, 4096)
+            ]
+            if b <= 8:  # the grid form: one row's select over many programs, one kernel per step
+                grid_variants = [(None, 4), (None, 8)] + ([(4096, 4)] if b == 1 else [])
+                for c, w in grid_variants:
+                    name = f"triton grid chunk{c or grid_chunk(b, s)} w{w}"
+                    variants.append((name, dict(method="grid", chunk=c, num_warps=w)))
+            chunked = dict(block=2048, method="chunked")
+            variants += [(f"triton chunk{c} blk2048 w16", dict(chunked, chunk=c)) for c in chunks]
             rule = chunk_size(b, s, k)
             if rule < s:  # the merge by lax.top_k instead of the kernel, at the rule's chunk
-                variants.append((f"triton chunk{rule} merge lax", dict(block=2048, chunk=rule, merge="ref")))
+                variants.append((f"triton chunk{rule} merge lax", dict(chunked, chunk=rule, merge="ref")))
             for name, kw in variants:
                 record(
                     "topk",
                     shape,
                     name,
-                    lambda x, k=k, kw=kw: topk(x, k, impl="triton", num_warps=16, **kw),
+                    lambda x, k=k, kw=kw: topk(x, k, impl="triton", **{"num_warps": 16, **kw}),
                     sets,
                     0,
                     nbytes,

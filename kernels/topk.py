@@ -11,11 +11,10 @@ from djax.kernels import shapes
 from djax.kernels.dispatch import resolve
 from djax.kernels.topk_ref import topk_ref
 
-# impl="auto" takes the kernel from this many rows on, and for one row only when k is at most
-# MAX_K_ONE_ROW. H200 (bench_kernels' top-k cases): one row of 262,144 with k 512 took 66-73 us chunked
-# against lax.top_k's 55; one row of 129,280 with k 50 took 30 us (1,024-column chunks) against 52; 4 rows
-# of 262,144 82 against 243 us, and 64 rows won at every length measured (2,048 and 129,280). 2 and 3
-# rows, and one row with k between 50 and 512, were not measured.
+# impl="auto" takes a kernel from this many rows on; for one row, where k is at most MAX_K_ONE_ROW or the
+# grid form takes it (`takes_grid`). H200 (bench_kernels' top-k cases): one row of 129,280 with k 50 took
+# 23-28 us chunked against lax.top_k's 51; one row of 262,144 with k 512 took 66-68 us chunked and 41.7
+# us by the grid form, against 55.5. One row with k between 65 and 127 was not measured: lax.top_k there.
 MIN_ROWS_FOR_TRITON = 2
 MAX_K_ONE_ROW = 64
 # Stage 1 programs. H200, b64 x 129,280 k 50: 512 programs (8 chunks a row) 250 us, 128 programs 313 us,
@@ -28,6 +27,18 @@ TARGET_PROGRAMS = 512
 MIN_CHUNK = 1024
 # Chunks are whole multiples of the kernel's default block, so that no pass ends in a mostly idle block.
 CHUNK_ALIGN = 1024
+# The grid form (method "grid"): one row's select spread over about GRID_PROGRAMS programs, one kernel per
+# step (10 launches). Its per-pass digit kernel sums every chunk's histogram in one program, so the chunks
+# a row are capped (topk_triton.MAX_GRID_CHUNKS). H200, rows of 262,144 with k 512, grid against the best
+# chunked variant (`auto` before the grid form): 1 row 41.7 against 65.9 us (lax.top_k 55.5), 2 rows 48.0
+# against 66.3 (79.1), 4 rows 68.2 against 81.6 (94.5), 8 rows 108.6 against 104.9 (113.8); one row of
+# 129,280 with k 50: 33.7 against 27.8 (the chunked rule's merge took 23.2). Its ten launches cost about
+# 4 us each whatever the rows, so it wins where the chunked form has few rows and many candidates.
+GRID_PROGRAMS = 128
+GRID_MAX_CHUNKS = 128  # = topk_triton.MAX_GRID_CHUNKS, which this module does not import
+GRID_MIN_CHUNK = 1024
+MAX_ROWS_GRID = 4
+MIN_K_GRID = 128
 
 
 def topk(
@@ -39,29 +50,70 @@ def topk(
     num_warps: int = 8,
     chunk: int | None = None,
     merge: str = "triton",
+    method: str = "auto",
 ):
     """The k largest entries per row. scores f32[b, s]; lengths int32[b] or None.
 
     Returns values f32[b, k] sorted descending (ties: lower index first) and indices int32[b, k],
     -1 where the value is -inf (an entry past the length, or fewer than k valid ones).
 
-    Triton only: chunk is the columns per program of the first stage (None: `chunk_size`'s choice; s or
-    more: one program per row); merge picks the top k of the chunks' candidates with "triton" (chunked
-    again where still long) or "ref" (lax.top_k).
+    Triton only: method "chunked" runs each chunk's select in one program and merges the chunks'
+    candidates; "grid" spreads each row's select over a grid of programs, one kernel per step (see
+    kernels/topk_triton.py); "auto" picks by `takes_grid`. chunk is the columns per program (None: the
+    method's rule; for "chunked", s or more means one program per row); merge ("chunked" only) picks the
+    top k of the chunks' candidates with "triton" (chunked again where still long) or "ref" (lax.top_k).
     """
     shapes.topk(scores, k, lengths)
-    if impl == "auto" and not auto_takes_kernel(scores.shape[0], k):
+    if method not in ("auto", "chunked", "grid"):
+        raise ValueError(f"method must be 'auto', 'chunked' or 'grid', got {method!r}")
+    if impl == "auto" and not auto_takes_kernel(*scores.shape, k):
         impl = "ref"
     impl = resolve(impl, ("ref", "triton"))
     if impl == "ref":
         return topk_ref(scores, k, lengths)
+    if method == "grid" or (method == "auto" and takes_grid(*scores.shape, k)):
+        return grid_topk(scores, k, lengths, chunk, block, num_warps)
     launch = functools.partial(_launch, block=block, num_warps=num_warps)
     return chunked_topk(launch, scores, k, lengths, chunk, merge)
 
 
-def auto_takes_kernel(rows: int, k: int) -> bool:
-    """Whether impl="auto" runs the kernel (on CUDA) for `rows` rows: see MIN_ROWS_FOR_TRITON."""
-    return rows >= MIN_ROWS_FOR_TRITON or k <= MAX_K_ONE_ROW
+def auto_takes_kernel(rows: int, length: int, k: int) -> bool:
+    """Whether impl="auto" runs a kernel (on CUDA) for `rows` x `length`: see MIN_ROWS_FOR_TRITON."""
+    return rows >= MIN_ROWS_FOR_TRITON or k <= MAX_K_ONE_ROW or takes_grid(rows, length, k)
+
+
+def takes_grid(rows: int, length: int, k: int) -> bool:
+    """Whether method="auto" takes the grid form: see MAX_ROWS_GRID and MIN_K_GRID."""
+    return rows <= MAX_ROWS_GRID and k >= MIN_K_GRID and length >= 2 * GRID_MIN_CHUNK
+
+
+def grid_chunk(rows: int, length: int) -> int:
+    """Columns per program of the grid form: about GRID_PROGRAMS programs in all, chunks of at least
+    GRID_MIN_CHUNK columns (a multiple of it), at most GRID_MAX_CHUNKS chunks a row."""
+    per_row = max(1, GRID_PROGRAMS // rows)
+    chunk = max(GRID_MIN_CHUNK, -(-length // min(per_row, GRID_MAX_CHUNKS)))
+    return -(-chunk // GRID_MIN_CHUNK) * GRID_MIN_CHUNK
+
+
+def grid_topk(scores, k: int, lengths=None, chunk: int | None = None, block: int = 1024, num_warps: int = 4):
+    """`topk` by the grid form of the radix select (kernels/topk_triton.py's `grid_select`) on CUDA."""
+    from djax.ffi import cubin
+    from djax.kernels.topk_triton import grid_select
+
+    b, s = scores.shape
+    x = scores.astype(jnp.float32)
+    if k > s:  # the form needs k <= s; the padding reads as -inf, which is what the columns past s are
+        x = jnp.pad(x, ((0, 0), (0, k - s)), constant_values=-jnp.inf)
+    chunk = grid_chunk(b, x.shape[1]) if chunk is None else chunk
+    if chunk < 1:
+        raise ValueError(f"chunk must be >= 1, got {chunk}")
+
+    def run(kernel, grid, args, outs, cx, warps):
+        kern, types = compile_step(kernel, args, outs, cx, warps or num_warps)
+        return cubin.launch(kern, grid, args, types)
+
+    lens = lengths.astype(jnp.int32) if lengths is not None else jnp.zeros((b,), jnp.int32)
+    return tuple(grid_select(run, x, lens, k, chunk, lengths is not None, block))
 
 
 def chunk_size(rows: int, length: int, k: int) -> int:
@@ -103,6 +155,17 @@ def chunked_topk(launch, scores, k: int, lengths=None, chunk: int | None = None,
         top, pos = chunked_topk(launch, vals, k, None, None, merge)
     picked = jnp.take_along_axis(cols, jnp.maximum(pos, 0), axis=1)
     return top, jnp.where(pos < 0, -1, picked)
+
+
+def compile_step(kernel, args, outs, cx: dict, num_warps: int):
+    """One grid-form step compiled for sm_90: (cubin, result types) for operands `args` (anything with a
+    dtype) and results `outs` ((shape, dtype name) pairs); the kernel's leading parameters are the pointers."""
+    from djax.ffi import cubin
+
+    types = [jax.ShapeDtypeStruct(shape, jnp.dtype(dt)) for shape, dt in outs]
+    names = kernel.arg_names[: len(args) + len(types)]
+    dtypes = [a.dtype for a in args] + [t.dtype for t in types]
+    return cubin.compile_triton(kernel, names, dtypes, cx, num_warps, 1), types
 
 
 def _launch(scores, k, lengths, chunk, block, num_warps):

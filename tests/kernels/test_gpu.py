@@ -48,14 +48,25 @@ def test_index_scores_triton_matches_ref():
     )
 
 
-@pytest.mark.parametrize("b,s,k", [(3, 70000, 512), (5, 1000, 512), (4, 129280, 50)])
-def test_topk_triton_matches_ref_exactly(b, s, k):
+@pytest.mark.parametrize(
+    "b,s,k,method",
+    [
+        (3, 70000, 512, "chunked"),
+        (5, 1000, 512, "chunked"),
+        (4, 129280, 50, "chunked"),
+        (1, 262144, 512, "grid"),
+        (2, 129280, 2048, "grid"),
+        (3, 5000, 64, "grid"),
+        (2, 600, 700, "grid"),  # k > s
+    ],
+)
+def test_topk_triton_matches_ref_exactly(b, s, k, method):
     rng = np.random.default_rng(s)
     x = rng.standard_normal((b, s)).astype(np.float32)
     x[0, : s // 4] = x[0, 7]  # ties
     lengths = jnp.asarray(rng.integers(0, s + 1, b), jnp.int32)
     for lens in (lengths, None):
-        vals, idx = jax.jit(lambda a, ln: topk(a, k, ln, impl="triton"))(jnp.asarray(x), lens)
+        vals, idx = jax.jit(lambda a, ln: topk(a, k, ln, impl="triton", method=method))(jnp.asarray(x), lens)
         rv, ri = topk_ref(jnp.asarray(x), k, lens)
         np.testing.assert_array_equal(np.asarray(vals), np.asarray(rv))
         np.testing.assert_array_equal(np.asarray(idx), np.asarray(ri))

@@ -125,7 +125,8 @@ def _interpreted_launch(block):
 def _chunked_inputs(rng, b, s):
     """Values on a grid of 1/4 (ties at the k-th value across chunks), the row maximum repeated in several
     chunks, a run of -inf, and (b > 1) a last row with fewer valid entries than k."""
-    x = np.round(rng.standard_normal((b, s)) * 4).astype(np.float32) / 4
+    # + 0.0 turns -0.0 into 0.0: Python's order (the brute force) ties them, lax.top_k's puts -0.0 below.
+    x = np.round(rng.standard_normal((b, s)) * 4).astype(np.float32) / 4 + np.float32(0.0)
     x[0, rng.integers(0, s, 8)] = x[0].max()
     x[0, s // 2 : s // 2 + 40] = -np.inf
     lengths = rng.integers(s // 2, s + 1, b).astype(np.int32)
@@ -168,6 +169,103 @@ def test_topk_chunked_merge_chunks_again(monkeypatch):
     bv, bi = _brute_topk(x, 8, lengths)
     np.testing.assert_array_equal(np.asarray(vals), bv)
     np.testing.assert_array_equal(np.asarray(idx), bi)
+
+
+@needs_triton_interp
+@pytest.mark.parametrize(
+    "b,s,k,chunk",
+    [
+        (1, 1000, 20, 128),  # 1000 is not a multiple of the chunk
+        (2, 450, 60, 64),
+        (1, 300, 300, 64),  # k = s: every entry, -inf ones last
+        (2, 250, 1, 32),
+        (3, 200, 64, 200),  # one chunk a row
+    ],
+)
+def test_topk_grid_interpreted(b, s, k, chunk):
+    from djax.kernels.topk_triton import launch_grid_torch
+
+    x, lengths = _chunked_inputs(np.random.default_rng(s + k), b, s)
+    for lens in (lengths, None):
+        vals, idx = launch_grid_torch(
+            torch_tensor(x), k, None if lens is None else torch_tensor(lens), chunk, block=32
+        )
+        bv, bi = _brute_topk(x, k, lens)
+        np.testing.assert_array_equal(vals.numpy(), bv)
+        np.testing.assert_array_equal(idx.numpy(), bi)
+    # Continuous values, and a cluster that differs only in the low mantissa bits (the last pass's digit).
+    rng = np.random.default_rng(k)
+    y = rng.standard_normal((b, s)).astype(np.float32)
+    cluster = rng.choice(s, min(s, 2 * k), replace=False)
+    bits = np.float32(3.0).view(np.int32) + rng.integers(0, 600, (b, cluster.size)).astype(np.int32)
+    y[:, cluster] = bits.view(np.float32)
+    vals, idx = launch_grid_torch(torch_tensor(y), k, None, chunk, block=32)
+    bv, bi = _brute_topk(y, k, None)
+    np.testing.assert_array_equal(vals.numpy(), bv)
+    np.testing.assert_array_equal(idx.numpy(), bi)
+    # Signed zeros: ordered as lax.top_k orders them (-0.0 below 0.0).
+    x[:, ::3] = np.where(x[:, ::3] == 0, np.float32(-0.0), x[:, ::3])
+    assert np.signbit(x[x == 0]).any() and not np.signbit(x[x == 0]).all()
+    vals, idx = launch_grid_torch(torch_tensor(x), k, None, chunk, block=32)
+    rv, ri = topk_ref(jnp.asarray(x), k)
+    np.testing.assert_array_equal(np.signbit(vals.numpy()), np.signbit(np.asarray(rv)))
+    np.testing.assert_array_equal(idx.numpy(), np.asarray(ri))
+
+
+def torch_tensor(a):
+    import torch
+
+    return torch.from_numpy(np.ascontiguousarray(a))
+
+
+def test_topk_grid_steps_compile_for_sm90():
+    """Every step of the grid form at a full-size shape (one row of 262,144, k 512, lengths) compiles ahead
+    to an sm_90 cubin that the FFI launcher can run (no Triton scratch memory)."""
+    pytest.importorskip("triton")
+    from djax.kernels.topk import compile_step, grid_chunk
+    from djax.kernels.topk_triton import grid_select
+
+    built = []
+
+    def run(kernel, grid, args, outs, cx, warps):
+        kern, types = compile_step(kernel, args, outs, cx, warps or 4)
+        built.append((kern.name, grid, kern.binary[:4]))
+        return types
+
+    x = jax.ShapeDtypeStruct((1, 262144), jnp.float32)
+    lens = jax.ShapeDtypeStruct((1,), jnp.int32)
+    vals, idx = grid_select(run, x, lens, 512, grid_chunk(1, 262144), True)
+    assert (vals.shape, vals.dtype, idx.shape, idx.dtype) == ((1, 512), jnp.float32, (1, 512), jnp.int32)
+    names = [n for n, _, _ in built]
+    assert names == ["grid_hist_kernel", "grid_digit_kernel"] * 4 + [
+        "grid_collect_kernel",
+        "sort_picks_kernel",
+    ]
+    assert all(elf == b"\x7fELF" for _, _, elf in built)
+    assert [g for _, g, _ in built[:2]] == [(128,), (1,)]
+
+
+@pytest.mark.parametrize(
+    "rows,length,want",
+    [(1, 262144, 2048), (1, 129280, 1024), (4, 262144, 8192), (1, 3000, 1024), (256, 4096, 4096)],
+)
+def test_grid_chunk_rule(rows, length, want):
+    from djax.kernels.topk import grid_chunk
+    from djax.kernels.topk_triton import MAX_GRID_CHUNKS
+
+    chunk = grid_chunk(rows, length)
+    assert chunk == want and chunk % 1024 == 0
+    assert -(-length // chunk) <= MAX_GRID_CHUNKS
+
+
+def test_topk_grid_refuses_too_many_chunks_and_unknown_method():
+    from djax.kernels.topk_triton import grid_select
+
+    x = jax.ShapeDtypeStruct((1, 5000), jnp.float32)
+    with pytest.raises(ValueError, match="5000 chunks; at most 128"):
+        grid_select(None, x, None, 4, 1, False)
+    with pytest.raises(ValueError, match="method must be"):
+        topk(jnp.ones((1, 8)), 2, impl="ref", method="radix")
 
 
 def _ref_launch(x, k, lengths, chunk):
@@ -216,11 +314,15 @@ def test_chunk_size_fills_the_gpu_and_shrinks_the_row(rows, length, k, want):
         assert rows * n >= 64 and n * k <= length // 3
 
 
-def test_auto_rule_keeps_lax_top_k_only_for_one_row_with_large_k():
-    from djax.kernels.topk import auto_takes_kernel
+def test_auto_rule_keeps_lax_top_k_only_where_no_kernel_was_measured_faster():
+    from djax.kernels.topk import auto_takes_kernel, takes_grid
 
-    assert not auto_takes_kernel(1, 512)  # measured slower than lax.top_k on the H200
-    assert auto_takes_kernel(1, 50) and auto_takes_kernel(4, 512) and auto_takes_kernel(64, 512)
+    assert auto_takes_kernel(1, 262144, 512) and takes_grid(1, 262144, 512)  # grid form: 41.7 vs 55.5 us
+    assert not auto_takes_kernel(1, 262144, 100)  # k 65-127 on one row: not measured
+    assert not auto_takes_kernel(1, 1500, 512)  # too short to cut into two grid chunks
+    assert auto_takes_kernel(1, 129280, 50) and not takes_grid(1, 129280, 50)  # chunked
+    assert takes_grid(4, 262144, 512) and not takes_grid(8, 262144, 512)
+    assert auto_takes_kernel(8, 262144, 512) and auto_takes_kernel(64, 2048, 512)
 
 
 def test_topk_public_op_rejects_unknown_impl():
