@@ -415,11 +415,10 @@ def run(
                 (f"triton 1-stage blk{blk} w16", dict(block=blk, chunk=s, method="chunked"))
                 for blk in (2048, 4096)
             ]
-            if b <= 8:  # the grid form: one row's select over many programs, one kernel per step
-                grid_variants = [(None, 4), (None, 8)] + ([(4096, 4)] if b == 1 else [])
-                for c, w in grid_variants:
-                    name = f"triton grid chunk{c or grid_chunk(b, s)} w{w}"
-                    variants.append((name, dict(method="grid", chunk=c, num_warps=w)))
+            # the grid form: each row's select spread over many programs
+            for c, w in [(None, 4)] + ([(None, 8), (2048, 4)] if b <= 8 else []):
+                name = f"triton grid chunk{c or grid_chunk(b, s)} w{w}"
+                variants.append((name, dict(method="grid", chunk=c, num_warps=w)))
             chunked = dict(block=2048, method="chunked")
             variants += [(f"triton chunk{c} blk2048 w16", dict(chunked, chunk=c)) for c in chunks]
             rule = chunk_size(b, s, k)

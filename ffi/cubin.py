@@ -148,10 +148,12 @@ def load(kernel: Cubin) -> None:
     load_on_devices(_lib().djax_load_cubin, kernel)
 
 
-def launch(kernel: Cubin, grid: tuple[int, ...], args: list, out_types: list):
-    """Enqueues `kernel` on XLA's stream over `args` (device pointers, in order) and fresh results."""
+def launch(kernel: Cubin, grid: tuple[int, ...], args: list, out_types: list, aliases: dict | None = None):
+    """Enqueues `kernel` on XLA's stream over `args` (device pointers, in order) and its results: fresh
+    buffers, or for {operand position: result position} in `aliases` the operand's own buffer, which the
+    kernel updates in place (it then gets that pointer twice)."""
     load(kernel)
-    call = jax.ffi.ffi_call("djax_cubin_launch", out_types)
+    call = jax.ffi.ffi_call("djax_cubin_launch", out_types, input_output_aliases=aliases)
     attrs = launch_attrs(kernel.key, grid, kernel.threads, kernel.shared_bytes)
     return call(*args, **attrs, extra_null=np.int64(kernel.extra_null))
 

@@ -12,9 +12,9 @@ from djax.kernels.dispatch import resolve
 from djax.kernels.topk_ref import topk_ref
 
 # impl="auto" takes a kernel from this many rows on; for one row, where k is at most MAX_K_ONE_ROW or the
-# grid form takes it (`takes_grid`). H200 (bench_kernels' top-k cases): one row of 129,280 with k 50 took
-# 23-28 us chunked against lax.top_k's 51; one row of 262,144 with k 512 took 66-68 us chunked and 41.7
-# us by the grid form, against 55.5. One row with k between 65 and 127 was not measured: lax.top_k there.
+# grid form takes it (`takes_grid`). H200 (bench_kernels' top-k cases, `kernels_h200_topk_grid2.json`):
+# one row of 262,144 with k 512, grid form 23.7 us against lax.top_k's 55.3 (the chunked form 66-69);
+# one row of 129,280 with k 50, grid 18.7 against 51.3 (chunked 23.3-28).
 MIN_ROWS_FOR_TRITON = 2
 MAX_K_ONE_ROW = 64
 # Stage 1 programs. H200, b64 x 129,280 k 50: 512 programs (8 chunks a row) 250 us, 128 programs 313 us,
@@ -27,18 +27,19 @@ TARGET_PROGRAMS = 512
 MIN_CHUNK = 1024
 # Chunks are whole multiples of the kernel's default block, so that no pass ends in a mostly idle block.
 CHUNK_ALIGN = 1024
-# The grid form (method "grid"): one row's select spread over about GRID_PROGRAMS programs, one kernel per
-# step (10 launches). Its per-pass digit kernel sums every chunk's histogram in one program, so the chunks
-# a row are capped (topk_triton.MAX_GRID_CHUNKS). H200, rows of 262,144 with k 512, grid against the best
-# chunked variant (`auto` before the grid form): 1 row 41.7 against 65.9 us (lax.top_k 55.5), 2 rows 48.0
-# against 66.3 (79.1), 4 rows 68.2 against 81.6 (94.5), 8 rows 108.6 against 104.9 (113.8); one row of
-# 129,280 with k 50: 33.7 against 27.8 (the chunked rule's merge took 23.2). Its ten launches cost about
-# 4 us each whatever the rows, so it wins where the chunked form has few rows and many candidates.
-GRID_PROGRAMS = 128
-GRID_MAX_CHUNKS = 128  # = topk_triton.MAX_GRID_CHUNKS, which this module does not import
+# The grid form (method "grid"): each row cut into chunks of GRID_MIN_CHUNK columns or more, about
+# GRID_PROGRAMS programs in all, six launches (see kernels/topk_triton.py). H200, rows of 262,144 with k 512
+# (`kernels_h200_topk_grid2.json`; chunked: its best variant; lax.top_k in brackets): 1 row 23.7 us
+# against 66.0 (55.3), 2 rows 29.8 against 66.4 (140.1), 4 rows 42.7 against 81.6 (240.4), 8 rows (2,048
+# columns a chunk) 74.6 against 104.8 (438.5), all at 4 warps; at 8 warps 4 and 8 rows took 51.5 and 83.9.
+# Above 8 rows it was not measured, so "auto" keeps the chunked form there. The first version, with a
+# digit kernel of one program per row after each pass (10 launches), took 41.7 us for one row:
+# `kernels_h200_topk_grid.json`.
+GRID_PROGRAMS = 1024
+GRID_MAX_CHUNKS = 1024  # = topk_triton.MAX_GRID_CHUNKS, which this module does not import
 GRID_MIN_CHUNK = 1024
-MAX_ROWS_GRID = 4
-MIN_K_GRID = 128
+GRID_WARPS = 4
+MAX_ROWS_GRID = 8
 
 
 def topk(
@@ -47,7 +48,7 @@ def topk(
     lengths=None,
     impl: str = "auto",
     block: int = 1024,
-    num_warps: int = 8,
+    num_warps: int | None = None,
     chunk: int | None = None,
     merge: str = "triton",
     method: str = "auto",
@@ -62,6 +63,7 @@ def topk(
     kernels/topk_triton.py); "auto" picks by `takes_grid`. chunk is the columns per program (None: the
     method's rule; for "chunked", s or more means one program per row); merge ("chunked" only) picks the
     top k of the chunks' candidates with "triton" (chunked again where still long) or "ref" (lax.top_k).
+    num_warps: per program (None: 8 for "chunked", GRID_WARPS for "grid").
     """
     shapes.topk(scores, k, lengths)
     if method not in ("auto", "chunked", "grid"):
@@ -72,8 +74,8 @@ def topk(
     if impl == "ref":
         return topk_ref(scores, k, lengths)
     if method == "grid" or (method == "auto" and takes_grid(*scores.shape, k)):
-        return grid_topk(scores, k, lengths, chunk, block, num_warps)
-    launch = functools.partial(_launch, block=block, num_warps=num_warps)
+        return grid_topk(scores, k, lengths, chunk, block, num_warps or GRID_WARPS)
+    launch = functools.partial(_launch, block=block, num_warps=num_warps or 8)
     return chunked_topk(launch, scores, k, lengths, chunk, merge)
 
 
@@ -83,8 +85,9 @@ def auto_takes_kernel(rows: int, length: int, k: int) -> bool:
 
 
 def takes_grid(rows: int, length: int, k: int) -> bool:
-    """Whether method="auto" takes the grid form: see MAX_ROWS_GRID and MIN_K_GRID."""
-    return rows <= MAX_ROWS_GRID and k >= MIN_K_GRID and length >= 2 * GRID_MIN_CHUNK
+    """Whether method="auto" takes the grid form: at most MAX_ROWS_GRID rows of two chunks or more (k 50
+    and 512 measured; the form's cost hardly depends on k)."""
+    return rows <= MAX_ROWS_GRID and length >= 2 * GRID_MIN_CHUNK
 
 
 def grid_chunk(rows: int, length: int) -> int:
@@ -95,10 +98,12 @@ def grid_chunk(rows: int, length: int) -> int:
     return -(-chunk // GRID_MIN_CHUNK) * GRID_MIN_CHUNK
 
 
-def grid_topk(scores, k: int, lengths=None, chunk: int | None = None, block: int = 1024, num_warps: int = 4):
+def grid_topk(
+    scores, k: int, lengths=None, chunk: int | None = None, block: int = 1024, num_warps: int = GRID_WARPS
+):
     """`topk` by the grid form of the radix select (kernels/topk_triton.py's `grid_select`) on CUDA."""
     from djax.ffi import cubin
-    from djax.kernels.topk_triton import grid_select
+    from djax.kernels.topk_triton import WORK_WIDTH, grid_select
 
     b, s = scores.shape
     x = scores.astype(jnp.float32)
@@ -108,12 +113,31 @@ def grid_topk(scores, k: int, lengths=None, chunk: int | None = None, block: int
     if chunk < 1:
         raise ValueError(f"chunk must be >= 1, got {chunk}")
 
-    def run(kernel, grid, args, outs, cx, warps):
-        kern, types = compile_step(kernel, args, outs, cx, warps or num_warps)
-        return cubin.launch(kern, grid, args, types)
+    def run(kernel, grid, args, outs, cx):
+        kern, types, aliases = compile_step(kernel, args, outs, cx, num_warps)
+        return cubin.launch(kern, grid, args, types, aliases)
 
     lens = lengths.astype(jnp.int32) if lengths is not None else jnp.zeros((b,), jnp.int32)
-    return tuple(grid_select(run, x, lens, k, chunk, lengths is not None, block))
+    work = jnp.zeros((b, int(WORK_WIDTH)), jnp.int32)
+    return tuple(grid_select(run, x, lens, work, k, chunk, lengths is not None, block))
+
+
+def compile_step(kernel, args, outs, cx: dict, num_warps: int):
+    """One grid-form step compiled for sm_90: (cubin, result types, {operand: result} aliases) for operands
+    `args` (anything with a shape and dtype) and results `outs`, each a (shape, dtype name) pair or the
+    position of an operand updated in place; the kernel's leading parameters are the pointers."""
+    from djax.ffi import cubin
+
+    types = [
+        jax.ShapeDtypeStruct(args[o].shape, args[o].dtype)
+        if isinstance(o, int)
+        else jax.ShapeDtypeStruct(o[0], jnp.dtype(o[1]))
+        for o in outs
+    ]
+    aliases = {o: i for i, o in enumerate(outs) if isinstance(o, int)}
+    names = kernel.arg_names[: len(args) + len(types)]
+    dtypes = [a.dtype for a in args] + [t.dtype for t in types]
+    return cubin.compile_triton(kernel, names, dtypes, cx, num_warps, 1), types, aliases
 
 
 def chunk_size(rows: int, length: int, k: int) -> int:
@@ -155,17 +179,6 @@ def chunked_topk(launch, scores, k: int, lengths=None, chunk: int | None = None,
         top, pos = chunked_topk(launch, vals, k, None, None, merge)
     picked = jnp.take_along_axis(cols, jnp.maximum(pos, 0), axis=1)
     return top, jnp.where(pos < 0, -1, picked)
-
-
-def compile_step(kernel, args, outs, cx: dict, num_warps: int):
-    """One grid-form step compiled for sm_90: (cubin, result types) for operands `args` (anything with a
-    dtype) and results `outs` ((shape, dtype name) pairs); the kernel's leading parameters are the pointers."""
-    from djax.ffi import cubin
-
-    types = [jax.ShapeDtypeStruct(shape, jnp.dtype(dt)) for shape, dt in outs]
-    names = kernel.arg_names[: len(args) + len(types)]
-    dtypes = [a.dtype for a in args] + [t.dtype for t in types]
-    return cubin.compile_triton(kernel, names, dtypes, cx, num_warps, 1), types
 
 
 def _launch(scores, k, lengths, chunk, block, num_warps):

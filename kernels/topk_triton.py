@@ -3,8 +3,8 @@ order (so ties go to the lower index), then a sort of the k picks.
 
 Two forms: `topk_kernel` does all of it in one program per row, or per chunk of a row (the first stage of a
 chunked top-k, see kernels/topk.py); the grid form spreads one row's select over many programs, one kernel
-per step (`grid_hist_kernel`, `grid_digit_kernel` four times, then `grid_collect_kernel`,
-`sort_picks_kernel`), for few rows with a large k, where chunking leaves too many candidates to merge."""
+per step (`grid_hist_kernel` four times, `grid_collect_kernel`, `sort_picks_kernel`), for few rows with a
+large k, where chunking leaves too many candidates to merge."""
 
 from __future__ import annotations
 
@@ -112,17 +112,19 @@ def _store_sorted(packed, val_ptr, idx_ptr, col0, slots, K: tl.constexpr):
     tl.store(idx_ptr + slots, idx, mask=slots < K)
 
 
-# The digit step holds all of a row's chunk histograms in registers at once (one load, not a loop of
-# dependent ones), 256 x 128 int32 over 16 warps: 64 registers a thread.
-MAX_GRID_CHUNKS = 128
-DIGIT_WARPS = 16
+# The collecting step holds every chunk's tie count of its row in registers.
+MAX_GRID_CHUNKS = 1024
+WORK_WIDTH = tl.constexpr(
+    5 * 256
+)  # per row: four passes' digit totals, then the slot counter of the larger keys
 
-# The grid form. A row of S columns is cut into NC chunks of CHUNK; each step is one kernel over the whole
-# grid, so every program of a step sees the previous step's results. A pass's histogram step writes each
-# chunk's histogram of the pass's digit among keys matching the bits fixed so far; its digit step (one
-# program per row) sums them and fixes the digit. The state of a row, int32[W] with W = 2 + 2 * NC: the bits
-# of the k-th key fixed so far (bit-cast), the picks still to place among keys matching them, then (after
-# the fourth pass) per chunk its count of keys larger than the k-th and its count equal to it.
+# The grid form. A row of S columns is cut into NC chunks of CHUNK, one program each; a kernel boundary is
+# the only barrier between them. Each of four histogram passes adds its chunk's counts of the pass's 8-bit
+# digit, among keys matching the digits fixed so far, into the row's totals (atomics into a zeroed work
+# buffer). Every program of a later step derives the fixed digits itself from those totals (a cumulative
+# sum of 256 counts per pass: cheaper than a kernel of its own), so the k-th key is known to the collecting
+# step, which writes the larger keys at slots taken from a counter and the first ties in column order
+# (the last pass's per-chunk counts give each chunk's first tie rank). Then one program per row sorts.
 
 
 @triton.jit
@@ -137,13 +139,33 @@ def _row_chunk(len_ptr, pid, S: tl.constexpr, CHUNK: tl.constexpr, NC: tl.conste
 
 
 @triton.jit
+def _fixed_digits(work_ptr, row, K: tl.constexpr, PASSES: tl.constexpr):
+    """The k-th key's top 8 * PASSES bits (prefix, and the mask of them) and the picks still to place among
+    keys matching them, from the totals of the first PASSES passes."""
+    digits = tl.arange(0, 256)
+    prefix = tl.zeros([], tl.uint32)
+    need = tl.full([], K, tl.int32)
+    for p in tl.static_range(PASSES):
+        totals = tl.load(work_ptr + row * WORK_WIDTH + p * 256 + digits)
+        at_or_above = tl.cumsum(totals, 0, reverse=True)
+        d = tl.max(tl.where(at_or_above >= need, digits, -1), 0)  # >= 0: matching keys number >= need
+        need -= tl.sum(tl.where(digits > d, totals, 0), 0)
+        prefix = prefix | (d.to(tl.uint32) << (24 - 8 * p))
+    known = tl.zeros([], tl.uint32)
+    if PASSES > 0:
+        known = tl.full([], 0xFFFFFFFF, tl.uint32) << (32 - 8 * PASSES)
+    return prefix, known, need
+
+
+@triton.jit
 def grid_hist_kernel(
     x_ptr,  # f32[b, S]
     len_ptr,  # int32[b] (read only when HAS_LEN)
-    state_ptr,  # int32[b, W]: the previous digit step's state (read only when PASS > 0)
-    hist_ptr,  # int32[b * NC, 256]: this chunk's histogram of the pass's digit among matching keys
-    above_ptr,  # int32[b * NC]: this chunk's keys whose fixed bits exceed the fixed prefix
+    work_ptr,  # int32[b, WORK_WIDTH], zeroed before the first pass; this pass adds its totals
+    work_out_ptr,  # the same buffer (an aliased result)
+    tail_ptr,  # int32[b * NC, 256] after the last pass: each chunk's own counts of its last digit
     S: tl.constexpr,
+    K: tl.constexpr,
     CHUNK: tl.constexpr,
     NC: tl.constexpr,
     PASS: tl.constexpr,
@@ -152,90 +174,48 @@ def grid_hist_kernel(
 ):
     pid = tl.program_id(0).to(tl.int64)
     row, col0, n_here, n_valid = _row_chunk(len_ptr, pid, S, CHUNK, NC, HAS_LEN)
+    prefix, known, _ = _fixed_digits(work_ptr, row, K, PASS)
     shift: tl.constexpr = 24 - 8 * PASS
-    prefix = tl.zeros([], tl.uint32)
-    known = tl.zeros([], tl.uint32)
-    if PASS > 0:
-        prefix = tl.load(state_ptr + row * (2 + 2 * NC)).to(tl.uint32, bitcast=True)
-        known = tl.full([], 0xFFFFFFFF, tl.uint32) << (32 - 8 * PASS)
     hist = tl.zeros([256], tl.int32)
-    above = tl.zeros([], tl.int32)
     for start in range(0, CHUNK, BLOCK):
         j = start + tl.arange(0, BLOCK)
         x = tl.load(x_ptr + row * S + col0 + j, mask=j < n_valid, other=float("-inf"))
         key = _keys(x.to(tl.float32))
-        inside = j < n_here
-        hit = inside & ((key & known) == prefix)
+        hit = (j < n_here) & ((key & known) == prefix)
         hist += tl.histogram(((key >> shift) & 0xFF).to(tl.int32), 256, mask=hit)
-        above += tl.sum((inside & ((key & known) > prefix)).to(tl.int32), 0)
-    tl.store(hist_ptr + pid * 256 + tl.arange(0, 256), hist)
-    tl.store(above_ptr + pid, above)
-
-
-@triton.jit
-def grid_digit_kernel(
-    hist_ptr,  # int32[b * NC, 256]
-    above_ptr,  # int32[b * NC] (read by the last pass only)
-    prev_ptr,  # int32[b, W]: the state before this pass (read only when PASS > 0)
-    state_ptr,  # int32[b, W]: the state after it
-    K: tl.constexpr,
-    NC: tl.constexpr,
-    NCP: tl.constexpr,  # next power of two >= NC
-    PASS: tl.constexpr,
-):
-    row = tl.program_id(0).to(tl.int64)
-    W: tl.constexpr = 2 + 2 * NC
-    shift: tl.constexpr = 24 - 8 * PASS
     digits = tl.arange(0, 256)
-    prefix = tl.zeros([], tl.uint32)
-    need = tl.full([], K, tl.int32)
-    if PASS > 0:
-        prefix = tl.load(prev_ptr + row * W).to(tl.uint32, bitcast=True)
-        need = tl.load(prev_ptr + row * W + 1)
-    c = tl.arange(0, NCP)
-    h = tl.load(hist_ptr + (row * NC + c)[:, None] * 256 + digits[None, :], mask=(c < NC)[:, None], other=0)
-    totals = tl.sum(h, 0)
-    at_or_above = tl.cumsum(totals, 0, reverse=True)
-    d = tl.max(tl.where(at_or_above >= need, digits, -1), 0)  # >= 0: all matching keys number >= need
-    above = tl.sum(tl.where(digits > d, totals, 0), 0)
-    if PASS == 3:  # the k-th key is known: each chunk's larger keys and ties, for the collecting step
-        larger = tl.load(above_ptr + row * NC + c, mask=c < NC, other=0)
-        larger += tl.sum(tl.where(digits[None, :] > d, h, 0), 1)
-        tl.store(state_ptr + row * W + 2 + c, larger, mask=c < NC)
-        tied = tl.sum(tl.where(digits[None, :] == d, h, 0), 1)
-        tl.store(state_ptr + row * W + 2 + NC + c, tied, mask=c < NC)
-    prefix = prefix | (d.to(tl.uint32) << shift)
-    tl.store(state_ptr + row * W, prefix.to(tl.int32, bitcast=True))
-    tl.store(state_ptr + row * W + 1, need - above)
+    tl.atomic_add(work_ptr + row * WORK_WIDTH + PASS * 256 + digits, hist, mask=hist != 0, sem="relaxed")
+    if PASS == 3:
+        tl.store(tail_ptr + pid * 256 + digits, hist)
 
 
 @triton.jit
 def grid_collect_kernel(
     x_ptr,  # f32[b, S]
     len_ptr,  # int32[b] (read only when HAS_LEN)
-    state_ptr,  # int32[b, W]: the state after the fourth pass (the k-th key is known)
+    work_ptr,  # int32[b, WORK_WIDTH] after the four passes (its slot counter still zero)
+    tail_ptr,  # int32[b * NC, 256]
+    work_out_ptr,  # the same buffer as work_ptr (an aliased result): the counter is taken
     picks_ptr,  # uint64[b, KP]: the row's K picks packed (`_pack`), unsorted; slots >= K untouched
     S: tl.constexpr,
+    K: tl.constexpr,
     CHUNK: tl.constexpr,
     NC: tl.constexpr,
-    NCP: tl.constexpr,
+    NCP: tl.constexpr,  # next power of two >= NC
     KP: tl.constexpr,
     HAS_LEN: tl.constexpr,
     BLOCK: tl.constexpr,
 ):
     pid = tl.program_id(0).to(tl.int64)
     row, col0, n_here, n_valid = _row_chunk(len_ptr, pid, S, CHUNK, NC, HAS_LEN)
-    base = state_ptr + row * (2 + 2 * NC)
-    kth = tl.load(base).to(tl.uint32, bitcast=True)
-    need = tl.load(base + 1)
+    kth, _, need = _fixed_digits(work_ptr, row, K, 4)
+    # Larger keys take slots [0, K - need) in any order (the sort orders them); the first `need` ties in
+    # column order take [K - need, K): this chunk's first tie rank counts the ties of the chunks before it.
     c = tl.arange(0, NCP)
-    larger = tl.load(base + 2 + c, mask=c < NC, other=0)
-    ties = tl.load(base + 2 + NC + c, mask=c < NC, other=0)
-    before = c < (pid % NC)
-    # Slots: the larger keys first, chunk after chunk, then the first `need` ties in column order.
-    larger_slot = tl.sum(tl.where(before, larger, 0), 0)
-    tie_rank0 = tl.sum(tl.where(before, ties, 0), 0)
-    all_larger = tl.sum(larger, 0)
+    ties_before = tl.load(
+        tail_ptr + (row * NC + c) * 256 + (kth & 0xFF).to(tl.int32), mask=c < (pid % NC), other=0
+    )
+    tie_rank0 = tl.sum(ties_before, 0)
     for start in range(0, CHUNK, BLOCK):
         j = start + tl.arange(0, BLOCK)
         x = tl.load(x_ptr + row * S + col0 + j, mask=j < n_valid, other=float("-inf"))
@@ -243,11 +223,12 @@ def grid_collect_kernel(
         inside = j < n_here
         g = (inside & (key > kth)).to(tl.int32)
         e = (inside & (key == kth)).to(tl.int32)
+        n_larger = tl.sum(g, 0)
+        first = tl.atomic_add(work_ptr + row * WORK_WIDTH + 1024, n_larger, sem="relaxed")
         tie_rank = tie_rank0 + tl.cumsum(e, 0) - e
         take = (g != 0) | ((e != 0) & (tie_rank < need))
-        slot = tl.where(g != 0, larger_slot + tl.cumsum(g, 0) - g, all_larger + tie_rank)
+        slot = tl.where(g != 0, first + tl.cumsum(g, 0) - g, K - need + tie_rank)
         tl.store(picks_ptr + row * KP + slot, _pack(key, col0 + j), mask=take)
-        larger_slot += tl.sum(g, 0)
         tie_rank0 += tl.sum(e, 0)
 
 
@@ -265,50 +246,45 @@ def sort_picks_kernel(
     _store_sorted(packed, val_ptr + row * K, idx_ptr + row * K, 0, slots, K)
 
 
-def grid_select(run, x, lens, k: int, chunk: int, has_len: bool, block: int = 1024):
-    """The grid form's launches in order. run(kernel, grid, args, outs, constexprs, num_warps) launches
-    `kernel` over `grid` on the operands `args` and fresh results `outs` ((shape, dtype name) pairs) and
-    returns the results (num_warps None: the caller's choice); x f32[b, s] with k <= s, lens int32[b].
-    Returns values f32[b, k] and indices int32[b, k]."""
+def grid_select(run, x, lens, work, k: int, chunk: int, has_len: bool, block: int = 1024):
+    """The grid form's launches in order. run(kernel, grid, args, outs, constexprs) launches `kernel` over
+    `grid` on the operands `args` and results `outs`, each a (shape, dtype name) pair for a fresh result or
+    the position in `args` of an operand the kernel updates in place, and returns the results; x f32[b, s]
+    with k <= s, lens int32[b], work int32[b, WORK_WIDTH] of zeros. Returns values f32[b, k] and indices
+    int32[b, k]."""
     b, s = x.shape
     nc = -(-s // chunk)
     if nc > MAX_GRID_CHUNKS:
         raise ValueError(f"chunk {chunk} cuts a row of {s} into {nc} chunks; at most {MAX_GRID_CHUNKS} fit")
-    width = 2 + 2 * nc
-    ncp = triton.next_power_of_2(nc)
     kp = triton.next_power_of_2(k)
-    cols = dict(S=s, CHUNK=chunk, NC=nc, HAS_LEN=has_len, BLOCK=min(block, triton.next_power_of_2(chunk)))
-    state = lens  # not read by the first pass
+    cols = dict(
+        S=s, K=k, CHUNK=chunk, NC=nc, HAS_LEN=has_len, BLOCK=min(block, triton.next_power_of_2(chunk))
+    )
     for p in range(4):
-        hist, above = run(
-            grid_hist_kernel,
-            (b * nc,),
-            [x, lens, state],
-            [((b * nc, 256), "int32"), ((b * nc,), "int32")],
-            {**cols, "PASS": p},
-            None,
+        tail_shape = (b * nc, 256) if p == 3 else (1,)
+        work, tail = run(
+            grid_hist_kernel, (b * nc,), [x, lens, work], [2, (tail_shape, "int32")], {**cols, "PASS": p}
         )
-        cx = dict(K=k, NC=nc, NCP=ncp, PASS=p)
-        (state,) = run(
-            grid_digit_kernel, (b,), [hist, above, state], [((b, width), "int32")], cx, DIGIT_WARPS
-        )
-    cx = {**cols, "NCP": ncp, "KP": kp}
-    (picks,) = run(grid_collect_kernel, (b * nc,), [x, lens, state], [((b, kp), "uint64")], cx, None)
+    cx = {**cols, "NCP": triton.next_power_of_2(nc), "KP": kp}
+    _, picks = run(grid_collect_kernel, (b * nc,), [x, lens, work, tail], [2, ((b, kp), "uint64")], cx)
     outs = [((b, k), "float32"), ((b, k), "int32")]
-    return run(sort_picks_kernel, (b,), [picks], outs, dict(K=k, KP=kp), None)
+    return run(sort_picks_kernel, (b,), [picks], outs, dict(K=k, KP=kp))
 
 
 def launch_grid_torch(scores, k: int, lengths=None, chunk: int = 1024, block: int = 1024):
     """The grid form on torch tensors (GPU, or CPU under TRITON_INTERPRET=1); k <= s."""
     import torch
 
-    def run(kernel, grid, args, outs, cx, num_warps):
-        res = [torch.empty(shape, dtype=getattr(torch, dt), device=scores.device) for shape, dt in outs]
-        kernel[grid](*args, *res, **cx, **({} if num_warps is None else {"num_warps": num_warps}))
+    def run(kernel, grid, args, outs, cx):
+        new = lambda o: torch.empty(o[0], dtype=getattr(torch, o[1]), device=scores.device)  # noqa: E731
+        res = [args[o] if isinstance(o, int) else new(o) for o in outs]
+        kernel[grid](*args, *res, **cx)
         return res
 
-    lens = lengths.to(torch.int32) if lengths is not None else torch.zeros(scores.shape[0], dtype=torch.int32)
-    return grid_select(run, scores.float().contiguous(), lens, k, chunk, lengths is not None, block)
+    b = scores.shape[0]
+    lens = lengths.to(torch.int32) if lengths is not None else torch.zeros(b, dtype=torch.int32)
+    work = torch.zeros((b, WORK_WIDTH), dtype=torch.int32, device=scores.device)
+    return grid_select(run, scores.float().contiguous(), lens, work, k, chunk, lengths is not None, block)
 
 
 def constexprs(s: int, k: int, has_len: bool, block: int = 1024, chunk: int | None = None) -> dict:

@@ -102,7 +102,9 @@ inline int LoadCubin(const char* who, const char* key, const void* cubin, const 
   if (r == CUDA_SUCCESS) {
     r = cu.load(&mod, cubin);
     if (r == CUDA_SUCCESS) r = cu.get_function(&fn, mod, name);
-    if (r == CUDA_SUCCESS && shared_bytes > 48 * 1024)
+    // Always, not only above 48 KB: without the opt-in, static and dynamic shared memory together must fit
+    // in 48 KB, so a kernel with exactly 48 KB of dynamic memory plus static mbarriers fails to launch.
+    if (r == CUDA_SUCCESS && shared_bytes > 0)
       r = cu.set_attribute(fn, CU_FUNC_ATTRIBUTE_MAX_DYNAMIC_SHARED_SIZE_BYTES, shared_bytes);
     CUcontext popped;
     cu.pop(&popped);

@@ -223,31 +223,31 @@ def test_topk_grid_steps_compile_for_sm90():
     to an sm_90 cubin that the FFI launcher can run (no Triton scratch memory)."""
     pytest.importorskip("triton")
     from djax.kernels.topk import compile_step, grid_chunk
-    from djax.kernels.topk_triton import grid_select
+    from djax.kernels.topk_triton import WORK_WIDTH, grid_select
 
     built = []
 
-    def run(kernel, grid, args, outs, cx, warps):
-        kern, types = compile_step(kernel, args, outs, cx, warps or 4)
-        built.append((kern.name, grid, kern.binary[:4]))
+    def run(kernel, grid, args, outs, cx):
+        kern, types, aliases = compile_step(kernel, args, outs, cx, 4)
+        built.append((kern.name, grid, kern.binary[:4], aliases))
         return types
 
     x = jax.ShapeDtypeStruct((1, 262144), jnp.float32)
     lens = jax.ShapeDtypeStruct((1,), jnp.int32)
-    vals, idx = grid_select(run, x, lens, 512, grid_chunk(1, 262144), True)
+    work = jax.ShapeDtypeStruct((1, int(WORK_WIDTH)), jnp.int32)
+    vals, idx = grid_select(run, x, lens, work, 512, grid_chunk(1, 262144), True)
     assert (vals.shape, vals.dtype, idx.shape, idx.dtype) == ((1, 512), jnp.float32, (1, 512), jnp.int32)
-    names = [n for n, _, _ in built]
-    assert names == ["grid_hist_kernel", "grid_digit_kernel"] * 4 + [
-        "grid_collect_kernel",
-        "sort_picks_kernel",
-    ]
-    assert all(elf == b"\x7fELF" for _, _, elf in built)
-    assert [g for _, g, _ in built[:2]] == [(128,), (1,)]
+    names = [n for n, _, _, _ in built]
+    assert names == ["grid_hist_kernel"] * 4 + ["grid_collect_kernel", "sort_picks_kernel"]
+    assert all(elf == b"\x7fELF" for _, _, elf, _ in built)
+    assert [g for _, g, _, _ in built[-2:]] == [(256,), (1,)]
+    # The work buffer (operand 2) is updated in place by every histogram pass and by the collecting step.
+    assert [a for _, _, _, a in built] == [{2: 0}] * 5 + [{}]
 
 
 @pytest.mark.parametrize(
     "rows,length,want",
-    [(1, 262144, 2048), (1, 129280, 1024), (4, 262144, 8192), (1, 3000, 1024), (256, 4096, 4096)],
+    [(1, 262144, 1024), (8, 262144, 2048), (16, 262144, 4096), (1, 3000, 1024), (2048, 4096, 4096)],
 )
 def test_grid_chunk_rule(rows, length, want):
     from djax.kernels.topk import grid_chunk
@@ -262,8 +262,8 @@ def test_topk_grid_refuses_too_many_chunks_and_unknown_method():
     from djax.kernels.topk_triton import grid_select
 
     x = jax.ShapeDtypeStruct((1, 5000), jnp.float32)
-    with pytest.raises(ValueError, match="5000 chunks; at most 128"):
-        grid_select(None, x, None, 4, 1, False)
+    with pytest.raises(ValueError, match="5000 chunks; at most 1024"):
+        grid_select(None, x, None, None, 4, 1, False)
     with pytest.raises(ValueError, match="method must be"):
         topk(jnp.ones((1, 8)), 2, impl="ref", method="radix")
 
@@ -317,11 +317,11 @@ def test_chunk_size_fills_the_gpu_and_shrinks_the_row(rows, length, k, want):
 def test_auto_rule_keeps_lax_top_k_only_where_no_kernel_was_measured_faster():
     from djax.kernels.topk import auto_takes_kernel, takes_grid
 
-    assert auto_takes_kernel(1, 262144, 512) and takes_grid(1, 262144, 512)  # grid form: 41.7 vs 55.5 us
-    assert not auto_takes_kernel(1, 262144, 100)  # k 65-127 on one row: not measured
-    assert not auto_takes_kernel(1, 1500, 512)  # too short to cut into two grid chunks
-    assert auto_takes_kernel(1, 129280, 50) and not takes_grid(1, 129280, 50)  # chunked
-    assert takes_grid(4, 262144, 512) and not takes_grid(8, 262144, 512)
+    assert auto_takes_kernel(1, 262144, 512) and takes_grid(1, 262144, 512)  # 23.7 against 55.3 us
+    assert auto_takes_kernel(1, 129280, 50) and takes_grid(1, 129280, 50)  # 18.7 against 51.3 us
+    assert not auto_takes_kernel(1, 1500, 512)  # too short for two grid chunks, k over 64: not measured
+    assert auto_takes_kernel(1, 1500, 50) and not takes_grid(1, 1500, 50)
+    assert takes_grid(8, 262144, 512) and not takes_grid(9, 262144, 512)
     assert auto_takes_kernel(8, 262144, 512) and auto_takes_kernel(64, 2048, 512)
 
 
