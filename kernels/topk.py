@@ -68,6 +68,9 @@ def topk(
     shapes.topk(scores, k, lengths)
     if method not in ("auto", "chunked", "grid"):
         raise ValueError(f"method must be 'auto', 'chunked' or 'grid', got {method!r}")
+    if k == 0:  # nothing to select; the kernels need at least one pick
+        b = scores.shape[0]
+        return jnp.zeros((b, 0), jnp.float32), jnp.zeros((b, 0), jnp.int32)
     if impl == "auto" and not auto_takes_kernel(*scores.shape, k):
         impl = "ref"
     impl = resolve(impl, ("ref", "triton"))
@@ -85,8 +88,8 @@ def auto_takes_kernel(rows: int, length: int, k: int) -> bool:
 
 
 def takes_grid(rows: int, length: int, k: int) -> bool:
-    """Whether method="auto" takes the grid form: at most MAX_ROWS_GRID rows of two chunks or more (k 50
-    and 512 measured; the form's cost hardly depends on k)."""
+    """Whether method="auto" takes the grid form: at most MAX_ROWS_GRID rows of two chunks or more. Measured
+    at lengths 129,280 and 262,144 with k 50 and 512 (its cost hardly depends on k); shorter rows not."""
     return rows <= MAX_ROWS_GRID and length >= 2 * GRID_MIN_CHUNK
 
 

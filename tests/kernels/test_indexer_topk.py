@@ -250,12 +250,20 @@ def test_topk_grid_steps_compile_for_sm90():
     [(1, 262144, 1024), (8, 262144, 2048), (16, 262144, 4096), (1, 3000, 1024), (2048, 4096, 4096)],
 )
 def test_grid_chunk_rule(rows, length, want):
-    from djax.kernels.topk import grid_chunk
+    from djax.kernels.topk import GRID_MAX_CHUNKS, grid_chunk
     from djax.kernels.topk_triton import MAX_GRID_CHUNKS
+
+    assert GRID_MAX_CHUNKS == MAX_GRID_CHUNKS
 
     chunk = grid_chunk(rows, length)
     assert chunk == want and chunk % 1024 == 0
     assert -(-length // chunk) <= MAX_GRID_CHUNKS
+
+
+@pytest.mark.parametrize("impl, method", [("ref", "auto"), ("triton", "grid"), ("triton", "chunked")])
+def test_topk_of_zero_entries_launches_nothing(impl, method):
+    vals, idx = topk(jnp.ones((2, 3000)), 0, impl=impl, method=method)
+    assert (vals.shape, vals.dtype, idx.shape, idx.dtype) == ((2, 0), jnp.float32, (2, 0), jnp.int32)
 
 
 def test_topk_grid_refuses_too_many_chunks_and_unknown_method():
