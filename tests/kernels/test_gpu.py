@@ -12,6 +12,7 @@ from djax.kernels.sparse_attn import sparse_decode
 from djax.kernels.sparse_attn_ref import sparse_decode_ref
 from djax.kernels.topk import topk
 from djax.kernels.topk_ref import topk_ref
+from djax.sampling import filter_logits
 
 pytestmark = pytest.mark.gpu
 BF16 = jnp.bfloat16
@@ -89,3 +90,17 @@ def test_indexer_topk_auto_uses_fast_path_and_agrees():
     for i in range(b):
         want = set(ri[i][ri[i] >= 0])
         assert len(set(idx[i][idx[i] >= 0]) & want) / len(want) > 0.99
+
+
+@pytest.mark.parametrize("b,top_k", [(64, 50), (1, 50), (4, 400)])
+def test_sampling_top_k_through_the_kernels_matches_lax_top_k(b, top_k):
+    """The sampler's top-k filter on vocabulary-sized rows (129,280) takes the radix-select kernels under
+    "auto"; it must keep exactly the logits lax.top_k keeps."""
+    from djax.config import SamplingParams
+
+    x = jnp.asarray(np.random.default_rng(b).standard_normal((b, 129280)), jnp.float32)
+    sp = SamplingParams(temperature=0.7, top_k=top_k)
+    fast = jax.jit(lambda a: filter_logits(a, sp))(x)
+    ref = jax.jit(lambda a: filter_logits(a, sp, impl="ref"))(x)
+    np.testing.assert_array_equal(np.asarray(fast), np.asarray(ref))
+    assert np.all(np.isfinite(np.asarray(fast)).sum(-1) == top_k)
