@@ -13,10 +13,14 @@ from djax.kernels.topk_ref import topk_ref
 
 # impl="auto" takes a kernel from this many rows on; for one row, where k is at most MAX_K_ONE_ROW or the
 # grid form takes it (`takes_grid`). H200 (bench_kernels' top-k cases, `kernels_h200_topk_grid2.json`):
-# one row of 262,144 with k 512, grid form 23.7 us against lax.top_k's 55.3 (the chunked form 66-69);
-# one row of 129,280 with k 50, grid 18.7 against 51.3 (chunked 23.3-28).
+# one row of 262,144 with k 512, grid form 24.2 us at 4 warps (23.7 at 8) against lax.top_k's 55.3 (the
+# chunked form 66-69); one row of 129,280 with k 50, grid 19.4 (18.7) against 51.3 (chunked 23.3-28).
 MIN_ROWS_FOR_TRITON = 2
 MAX_K_ONE_ROW = 64
+# Both kernels end in a sort of the next power of two >= k picks in one program: compiling it ahead took
+# 3.9 s at k 2,048 on a 2-core machine, 18.7 s at 8,192 and 157 s at 16,384 (and registers spill), so
+# "auto" leaves larger k to lax.top_k. Timed on the H200 only up to k 512 (2,048 checked for exactness).
+MAX_K_KERNEL = 2048
 # Stage 1 programs. H200, b64 x 129,280 k 50: 512 programs (8 chunks a row) 250 us, 128 programs 313 us,
 # one per row 521 us; b4 x 262,144: 256 and 128 programs both 82 us, 64 programs 105 us. A program's passes
 # over its columns are latency bound, so more programs than SMs still helps.
@@ -29,9 +33,10 @@ MIN_CHUNK = 1024
 CHUNK_ALIGN = 1024
 # The grid form (method "grid"): each row cut into chunks of GRID_MIN_CHUNK columns or more, about
 # GRID_PROGRAMS programs in all, six launches (see kernels/topk_triton.py). H200, rows of 262,144 with k 512
-# (`kernels_h200_topk_grid2.json`; chunked: its best variant; lax.top_k in brackets): 1 row 23.7 us
+# (`kernels_h200_topk_grid2.json`; chunked: its best variant; lax.top_k in brackets): 1 row 24.2 us
 # against 66.0 (55.3), 2 rows 29.8 against 66.4 (140.1), 4 rows 42.7 against 81.6 (240.4), 8 rows (2,048
 # columns a chunk) 74.6 against 104.8 (438.5), all at 4 warps; at 8 warps 4 and 8 rows took 51.5 and 83.9.
+# (The JSON's "auto" rows ran the grid form at 8 warps, before GRID_WARPS, or the chunked form at 8 rows.)
 # Above 8 rows it was not measured, so "auto" keeps the chunked form there. The first version, with a
 # digit kernel of one program per row after each pass (10 launches), took 41.7 us for one row:
 # `kernels_h200_topk_grid.json`.
@@ -84,6 +89,8 @@ def topk(
 
 def auto_takes_kernel(rows: int, length: int, k: int) -> bool:
     """Whether impl="auto" runs a kernel (on CUDA) for `rows` x `length`: see MIN_ROWS_FOR_TRITON."""
+    if k > MAX_K_KERNEL:
+        return False
     return rows >= MIN_ROWS_FOR_TRITON or k <= MAX_K_ONE_ROW or takes_grid(rows, length, k)
 
 
@@ -112,7 +119,7 @@ def grid_topk(
     x = scores.astype(jnp.float32)
     if k > s:  # the form needs k <= s; the padding reads as -inf, which is what the columns past s are
         x = jnp.pad(x, ((0, 0), (0, k - s)), constant_values=-jnp.inf)
-    chunk = grid_chunk(b, x.shape[1]) if chunk is None else chunk
+    chunk = grid_chunk(b, x.shape[1]) if chunk is None else min(chunk, x.shape[1])
     if chunk < 1:
         raise ValueError(f"chunk must be >= 1, got {chunk}")
 

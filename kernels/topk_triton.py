@@ -184,7 +184,9 @@ def grid_hist_kernel(
         hit = (j < n_here) & ((key & known) == prefix)
         hist += tl.histogram(((key >> shift) & 0xFF).to(tl.int32), 256, mask=hit)
     digits = tl.arange(0, 256)
-    tl.atomic_add(work_ptr + row * WORK_WIDTH + PASS * 256 + digits, hist, mask=hist != 0, sem="relaxed")
+    # Updates go through the result pointer (the same buffer as work_ptr, aliased), so that a launch that
+    # lost the alias would change its fresh result, not its operand.
+    tl.atomic_add(work_out_ptr + row * WORK_WIDTH + PASS * 256 + digits, hist, mask=hist != 0, sem="relaxed")
     if PASS == 3:
         tl.store(tail_ptr + pid * 256 + digits, hist)
 
@@ -224,7 +226,7 @@ def grid_collect_kernel(
         g = (inside & (key > kth)).to(tl.int32)
         e = (inside & (key == kth)).to(tl.int32)
         n_larger = tl.sum(g, 0)
-        first = tl.atomic_add(work_ptr + row * WORK_WIDTH + 1024, n_larger, sem="relaxed")
+        first = tl.atomic_add(work_out_ptr + row * WORK_WIDTH + 1024, n_larger, sem="relaxed")
         tie_rank = tie_rank0 + tl.cumsum(e, 0) - e
         take = (g != 0) | ((e != 0) & (tie_rank < need))
         slot = tl.where(g != 0, first + tl.cumsum(g, 0) - g, K - need + tie_rank)
@@ -253,6 +255,8 @@ def grid_select(run, x, lens, work, k: int, chunk: int, has_len: bool, block: in
     with k <= s, lens int32[b], work int32[b, WORK_WIDTH] of zeros. Returns values f32[b, k] and indices
     int32[b, k]."""
     b, s = x.shape
+    if k > s:  # fewer keys than picks: no k-th key to find (`grid_topk` pads the row first)
+        raise ValueError(f"the grid form needs k <= the row length, got k {k} for rows of {s}")
     nc = -(-s // chunk)
     if nc > MAX_GRID_CHUNKS:
         raise ValueError(f"chunk {chunk} cuts a row of {s} into {nc} chunks; at most {MAX_GRID_CHUNKS} fit")
@@ -282,7 +286,10 @@ def launch_grid_torch(scores, k: int, lengths=None, chunk: int = 1024, block: in
         return res
 
     b = scores.shape[0]
-    lens = lengths.to(torch.int32) if lengths is not None else torch.zeros(b, dtype=torch.int32)
+    dev = scores.device
+    lens = (
+        lengths.to(dev, torch.int32) if lengths is not None else torch.zeros(b, dtype=torch.int32, device=dev)
+    )
     work = torch.zeros((b, WORK_WIDTH), dtype=torch.int32, device=scores.device)
     return grid_select(run, scores.float().contiguous(), lens, work, k, chunk, lengths is not None, block)
 

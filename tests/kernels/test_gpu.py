@@ -92,6 +92,31 @@ def test_indexer_topk_auto_uses_fast_path_and_agrees():
         assert len(set(idx[i][idx[i] >= 0]) & want) / len(want) > 0.99
 
 
+def test_topk_grid_twice_in_one_jit_and_in_a_loop():
+    """The grid form updates a zeroed work buffer in place (an aliased FFI result): two calls in one jit and
+    one per iteration of a loop must each start from zeros."""
+    rng = np.random.default_rng(5)
+    x = jnp.asarray(rng.standard_normal((2, 70000)), jnp.float32)
+    y = jnp.asarray(rng.standard_normal((2, 70000)), jnp.float32)
+
+    def two(a, c):
+        return topk(a, 512, impl="triton", method="grid"), topk(c, 512, impl="triton", method="grid")
+
+    for (vals, idx), src in zip(jax.jit(two)(x, y), (x, y), strict=True):
+        rv, ri = topk_ref(src, 512)
+        np.testing.assert_array_equal(np.asarray(vals), np.asarray(rv))
+        np.testing.assert_array_equal(np.asarray(idx), np.asarray(ri))
+
+    def loop(a):
+        def body(i, acc):
+            return acc + topk(jnp.roll(a, i, axis=1), 64, impl="triton", method="grid")[0]
+
+        return jax.lax.fori_loop(0, 3, body, jnp.zeros((2, 64), jnp.float32))
+
+    want = sum(topk_ref(jnp.roll(x, i, axis=1), 64)[0] for i in range(3))
+    np.testing.assert_array_equal(np.asarray(jax.jit(loop)(x)), np.asarray(want))
+
+
 @pytest.mark.parametrize("b,top_k", [(64, 50), (1, 50), (4, 400)])
 def test_sampling_top_k_through_the_kernels_matches_lax_top_k(b, top_k):
     """The sampler's top-k filter on vocabulary-sized rows (129,280) takes the radix-select kernels under

@@ -272,6 +272,8 @@ def test_topk_grid_refuses_too_many_chunks_and_unknown_method():
     x = jax.ShapeDtypeStruct((1, 5000), jnp.float32)
     with pytest.raises(ValueError, match="5000 chunks; at most 1024"):
         grid_select(None, x, None, None, 4, 1, False)
+    with pytest.raises(ValueError, match="k <= the row length, got k 5001"):
+        grid_select(None, x, None, None, 5001, 1024, False)
     with pytest.raises(ValueError, match="method must be"):
         topk(jnp.ones((1, 8)), 2, impl="ref", method="radix")
 
@@ -330,6 +332,7 @@ def test_auto_rule_keeps_lax_top_k_only_where_no_kernel_was_measured_faster():
     assert not auto_takes_kernel(1, 1500, 512)  # too short for two grid chunks, k over 64: not measured
     assert auto_takes_kernel(1, 1500, 50) and not takes_grid(1, 1500, 50)
     assert takes_grid(8, 262144, 512) and not takes_grid(9, 262144, 512)
+    assert not auto_takes_kernel(64, 129280, 4096)  # the kernels' one-program sort: lax.top_k above 2,048
     assert auto_takes_kernel(8, 262144, 512) and auto_takes_kernel(64, 2048, 512)
 
 
