@@ -548,7 +548,8 @@ def cuda_kernel(m: int, n: int, k: int, tiling: Tiling | None = None) -> CudaKer
     """Lowers, compiles (no GPU needed) and describes the kernel for one static shape."""
     from djax.ffi.cubin import Cubin
 
-    source, launch = lower_cuda(m, n, k, tiling)
+    tiling = tiling or default_tiling(m, n, k)
+    source, launch = lowered_on_disk("fp8_gemm_pointer", (m, n, k, tiling), lower_cuda, (__file__,))
     binary = nvcc_cubin(source)
     key = "tl-" + hashlib.sha256(binary).hexdigest()[:24]
     cub = Cubin(key, launch["name"], binary, launch["threads"], launch["shared_bytes"], extra_null=0)
