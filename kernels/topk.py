@@ -133,7 +133,7 @@ def grid_topk(
 
 
 def compile_step(kernel, args, outs, cx: dict, num_warps: int):
-    """One grid-form step compiled for sm_90: (cubin, result types, {operand: result} aliases) for operands
+    """One top-k kernel compiled for sm_90: (cubin, result types, {operand: result} aliases) for operands
     `args` (anything with a shape and dtype) and results `outs`, each a (shape, dtype name) pair or the
     position of an operand updated in place; the kernel's leading parameters are the pointers."""
     from djax.ffi import cubin
@@ -200,14 +200,7 @@ def _launch(scores, k, lengths, chunk, block, num_warps):
     n = num_programs(s, chunk)
     lens = lengths.astype(jnp.int32) if lengths is not None else jnp.zeros((b,), jnp.int32)
     args = [scores.astype(jnp.float32), lens]
-    outs = [
-        jax.ShapeDtypeStruct((b, n * k), jnp.float32),
-        jax.ShapeDtypeStruct((b, n * k), jnp.int32),
-        jax.ShapeDtypeStruct((b * n, cx["KP"]), jnp.uint64),
-    ]
-    names = ["x_ptr", "len_ptr", "val_ptr", "idx_ptr", "scratch_ptr"]
-    kern = cubin.compile_triton(
-        topk_kernel, names, [jnp.float32, jnp.int32, jnp.float32, jnp.int32, jnp.uint64], cx, num_warps, 1
-    )
-    vals, idx, _ = cubin.launch(kern, (b * n,), args, outs)
+    outs = [((b, n * k), "float32"), ((b, n * k), "int32"), ((b * n, cx["KP"]), "uint64")]
+    kern, types, _ = compile_step(topk_kernel, args, outs, cx, num_warps)
+    vals, idx, _ = cubin.launch(kern, (b * n,), args, types)
     return vals, idx

@@ -26,9 +26,22 @@ def _floats(key):
 
 
 @triton.jit
-def _chunk_keys(x_ptr, n_valid, row, col0, j, S: tl.constexpr, N: tl.constexpr):
+def _chunk_keys(x_ptr, n_valid, row, col0, j, S: tl.constexpr, n):
+    """Keys of columns col0 + j of a row (-inf from n_valid on) and whether each of j is among the n
+    positions taken part."""
     x = tl.load(x_ptr + row * S + col0 + j, mask=j < n_valid, other=float("-inf"))
-    return _keys(x.to(tl.float32)), j < N
+    return _keys(x.to(tl.float32)), j < n
+
+
+@triton.jit
+def _row_chunk(len_ptr, pid, S: tl.constexpr, CHUNK: tl.constexpr, NC: tl.constexpr, HAS_LEN: tl.constexpr):
+    """(row, first column, columns of the chunk that exist, columns of it below the row's length)."""
+    row = pid // NC
+    col0 = (pid % NC) * CHUNK
+    n_valid = S
+    if HAS_LEN:
+        n_valid = tl.minimum(tl.load(len_ptr + row), S)
+    return row, col0, tl.minimum(S - col0, CHUNK), tl.minimum(n_valid - col0, CHUNK)
 
 
 @triton.jit
@@ -47,12 +60,7 @@ def topk_kernel(
 ):
     pid = tl.program_id(0).to(tl.int64)
     NC: tl.constexpr = (S + CHUNK - 1) // CHUNK
-    row = pid // NC
-    col0 = (pid % NC) * CHUNK
-    n_valid = S
-    if HAS_LEN:
-        n_valid = tl.minimum(tl.load(len_ptr + row), S)
-    n_valid = tl.minimum(n_valid - col0, CHUNK)  # this chunk's valid entries (<= 0: none)
+    row, col0, _, n_valid = _row_chunk(len_ptr, pid, S, CHUNK, NC, HAS_LEN)  # n_valid <= 0: none valid
     N: tl.constexpr = CHUNK if CHUNK > K else K  # positions past the chunk read as -inf: K picks always exist
     digits = tl.arange(0, 256)
     prefix = tl.zeros([], tl.uint32)
@@ -114,9 +122,8 @@ def _store_sorted(packed, val_ptr, idx_ptr, col0, slots, K: tl.constexpr):
 
 # The collecting step holds every chunk's tie count of its row in registers.
 MAX_GRID_CHUNKS = 1024
-WORK_WIDTH = tl.constexpr(
-    5 * 256
-)  # per row: four passes' digit totals, then the slot counter of the larger keys
+# Per row: the four passes' digit totals, then the slot counter of the larger keys.
+WORK_WIDTH = tl.constexpr(5 * 256)
 
 # The grid form. A row of S columns is cut into NC chunks of CHUNK, one program each; a kernel boundary is
 # the only barrier between them. Each of four histogram passes adds its chunk's counts of the pass's 8-bit
@@ -125,17 +132,6 @@ WORK_WIDTH = tl.constexpr(
 # sum of 256 counts per pass: cheaper than a kernel of its own), so the k-th key is known to the collecting
 # step, which writes the larger keys at slots taken from a counter and the first ties in column order
 # (the last pass's per-chunk counts give each chunk's first tie rank). Then one program per row sorts.
-
-
-@triton.jit
-def _row_chunk(len_ptr, pid, S: tl.constexpr, CHUNK: tl.constexpr, NC: tl.constexpr, HAS_LEN: tl.constexpr):
-    """(row, first column, columns of the chunk that exist, columns of it below the row's length)."""
-    row = pid // NC
-    col0 = (pid % NC) * CHUNK
-    n_valid = S
-    if HAS_LEN:
-        n_valid = tl.minimum(tl.load(len_ptr + row), S)
-    return row, col0, tl.minimum(S - col0, CHUNK), tl.minimum(n_valid - col0, CHUNK)
 
 
 @triton.jit
@@ -179,9 +175,8 @@ def grid_hist_kernel(
     hist = tl.zeros([256], tl.int32)
     for start in range(0, CHUNK, BLOCK):
         j = start + tl.arange(0, BLOCK)
-        x = tl.load(x_ptr + row * S + col0 + j, mask=j < n_valid, other=float("-inf"))
-        key = _keys(x.to(tl.float32))
-        hit = (j < n_here) & ((key & known) == prefix)
+        key, inside = _chunk_keys(x_ptr, n_valid, row, col0, j, S, n_here)
+        hit = inside & ((key & known) == prefix)
         hist += tl.histogram(((key >> shift) & 0xFF).to(tl.int32), 256, mask=hit)
     digits = tl.arange(0, 256)
     # Updates go through the result pointer (the same buffer as work_ptr, aliased), so that a launch that
@@ -220,9 +215,7 @@ def grid_collect_kernel(
     tie_rank0 = tl.sum(ties_before, 0)
     for start in range(0, CHUNK, BLOCK):
         j = start + tl.arange(0, BLOCK)
-        x = tl.load(x_ptr + row * S + col0 + j, mask=j < n_valid, other=float("-inf"))
-        key = _keys(x.to(tl.float32))
-        inside = j < n_here
+        key, inside = _chunk_keys(x_ptr, n_valid, row, col0, j, S, n_here)
         g = (inside & (key > kth)).to(tl.int32)
         e = (inside & (key == kth)).to(tl.int32)
         n_larger = tl.sum(g, 0)
