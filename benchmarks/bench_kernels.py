@@ -34,18 +34,20 @@ BF16 = jnp.bfloat16
 COPY_BW = 4.3e12  # measured device copy bandwidth on the lent H200 (bytes read + written per second)
 BF16_RATE = 790e12  # measured dense bf16 matmul rate on the lent H200
 FP8_PEAK = 1979e12  # H200 spec sheet, dense fp8: the ceiling for the fp8 kernels' FLOPs
-# TileLang sparse decode tilings (block_s, stages, warps, splits per row, merged in the kernel) worth timing
-# per batch size (12 warps: the warp-specialised program)
+# TileLang sparse decode tilings (block_s, stages, warps, splits per row, merged in the kernel: True through
+# global memory, "dsmem" through the cluster's shared memory) worth timing per batch size (12 warps: the
+# warp-specialised program)
 TILELANG_TILINGS = {
     64: [
         (64, 2, 12, 1, False),
         (64, 2, 12, 2, False),
         (64, 2, 12, 2, True),
-        (64, 2, 12, 3, True),
-        (32, 4, 12, 2, True),
+        (64, 2, 12, 2, "dsmem"),
+        (64, 2, 12, 3, "dsmem"),
+        (32, 4, 12, 2, "dsmem"),
     ],
-    32: [(64, 2, 12, 4, False), (64, 2, 12, 4, True), (64, 2, 12, 2, True)],
-    8: [(64, 2, 12, 10, False), (64, 2, 12, 8, True), (64, 2, 12, 5, True)],
+    32: [(64, 2, 12, 4, False), (64, 2, 12, 2, True), (64, 2, 12, 2, "dsmem"), (64, 2, 12, 4, "dsmem")],
+    8: [(64, 2, 12, 10, False), (64, 2, 12, 8, True), (64, 2, 12, 8, "dsmem"), (64, 2, 12, 5, "dsmem")],
 }
 
 
@@ -291,7 +293,8 @@ def run(
                 record(
                     "sparse_decode",
                     shape,
-                    f"tilelang bs{bs} st{st} w{nw} split{ns}" + (" merged" if merge else ""),
+                    f"tilelang bs{bs} st{st} w{nw} split{ns}"
+                    + {False: "", True: " merged", "dsmem": " merged dsmem"}[merge],
                     lambda *a, bs=bs, st=st, nw=nw, ns=ns, merge=merge: sparse_decode(
                         *a,
                         scale=scale,

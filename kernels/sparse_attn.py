@@ -24,7 +24,7 @@ def sparse_decode(
     num_warps: int = 8,
     num_stages: int = 1,
     nsplit: int = 1,
-    merge_splits: bool = False,
+    merge_splits: bool | str = False,
 ):
     """Decode attention over the SWA ring plus top-k picks from the compressed pool, K = V, with sinks.
 
@@ -40,7 +40,9 @@ def sparse_decode(
     `block_s` keys per step (16/32/64/128) and `num_stages`
     shared key buffers (below 2 is read as 2); `block_h` is ignored. `merge_splits` (12 warps, 2 to 8
     splits): the splits of a row run as one thread-block cluster and merge inside the kernel instead of
-    through f32 partials merged after. Unsupported shapes raise ValueError.
+    through f32 partials merged after: True exchanges the partials through global memory (L2), "dsmem"
+    through distributed shared memory (the cluster's shared memory, over the finished key ring; needs
+    num_stages * block_s = 128). Unsupported shapes raise ValueError.
     """
     shapes.sparse_decode(q, window, window_valid, pool, topk, sinks)
     if impl == "auto" and q.dtype == jnp.bfloat16 and on_cuda() and has_tilelang():
@@ -49,7 +51,9 @@ def sparse_decode(
         tiling = default_tiling(q.shape[0], q.shape[1], q.shape[2], window.shape[1], topk.shape[1])
         if tiling is not None:
             impl, block_s, num_stages, nsplit = "tilelang", tiling.block_s, tiling.stages, tiling.nsplit
-            num_warps, merge_splits = tiling.threads // 32, tiling.merge
+            num_warps, merge_splits = tiling.threads // 32, "dsmem" if tiling.dsmem else tiling.merge
+    if merge_splits not in (False, True, "dsmem"):
+        raise ValueError(f'merge_splits must be False, True or "dsmem", got {merge_splits!r}')
     impl = resolve(impl, ("ref", "triton", "tilelang"))
     if merge_splits and impl == "triton":
         raise ValueError("merge_splits is a TileLang option: the Triton kernel merges its splits after")
@@ -58,7 +62,8 @@ def sparse_decode(
     if impl == "tilelang":
         from djax.kernels.sparse_attn_tilelang import Tiling, sparse_decode_tilelang
 
-        tiling = Tiling(block_s, max(num_stages, 2), 32 * num_warps, nsplit, merge_splits)
+        merge, dsmem = bool(merge_splits), merge_splits == "dsmem"
+        tiling = Tiling(block_s, max(num_stages, 2), 32 * num_warps, nsplit, merge, dsmem)
         return sparse_decode_tilelang(q, window, window_valid, pool, topk, sinks, scale, tiling)
     return _triton(
         q, window, window_valid, pool, topk, sinks, scale, block_h, block_s, num_warps, num_stages, nsplit

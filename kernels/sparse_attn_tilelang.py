@@ -13,7 +13,8 @@ Contract: `sparse_attn_ref.sparse_decode_ref`. Why this shape of kernel (see NOT
 - Batch 64 is only 64 CTAs on 132 SMs and small batches far fewer, so `nsplit` > 1 gives each row `nsplit`
   CTAs over balanced ranges of key blocks (flash decoding); they write f32 partial outputs and base-2
   log-sum-exps that `sparse_attn_ref.combine_splits` merges in jnp, or (`Tiling.merge`, warp-specialised
-  program) the splits of a row form a thread-block cluster and merge in the kernel after a cluster barrier.
+  program) the splits of a row form a thread-block cluster and merge in the kernel after a cluster barrier,
+  the partials passing through global memory or (`Tiling.dsmem`) the cluster's shared memory.
 `ws_program` is the warp-specialised form (12 warps: a producer warpgroup and two consumers handing off
 through mbarriers, no CTA-wide barriers in the loop), the default where it applies. Neither uses TMA, so
 the kernel's parameters stay the plain device pointers that `ffi/csrc/cubin_launch.cc` passes (operands in
@@ -38,7 +39,12 @@ _ASYNC = {"parallel_async_without_async_commit_wait": True}  # cp.async without 
 _SMEM_LIMIT = 227 * 1024
 # The device function's parameters come out sorted by name, so these names spell the launcher's order.
 _OPERANDS = ("p0_q", "p1_window", "p2_valid", "p3_pool", "p4_topk", "p5_sinks")
-_RESULTS = {"plain": ("p6_out",), "split": ("p6_part", "p7_lse"), "merge": ("p6_out", "p7_part", "p8_lse")}
+_RESULTS = {
+    "plain": ("p6_out",),
+    "split": ("p6_part", "p7_lse"),
+    "merge": ("p6_out", "p7_part", "p8_lse"),
+    "dsmem": ("p6_out", "p8_lse"),  # the merged entry with the unused partial dropped by TileLang
+}
 _MAX_CLUSTER = 8  # the portable thread-block cluster size
 
 
@@ -47,13 +53,17 @@ class Tiling:
     """block_s keys per pipeline step, `stages` shared key buffers, threads per CTA (128 per warpgroup),
     nsplit CTAs per (row, 64-head group). Every split writes its partial; merge: the splits of a row run as
     one thread-block cluster and, once all have written, each merges its own slice of the value columns
-    in the kernel (warp-specialised program, 2 to 8 splits); otherwise `combine_splits` merges them after."""
+    in the kernel (warp-specialised program, 2 to 8 splits); otherwise `combine_splits` merges them after.
+    dsmem (with merge): the partials stay in shared memory, over the finished key ring, and each split
+    reads its slice of the others' through distributed shared memory; only the log-sum-exps go to global
+    memory. Needs stages * block_s = 128 (the ring's bytes are exactly the f32 partial's)."""
 
     block_s: int = 64
     stages: int = 2
     threads: int = 256
     nsplit: int = 1
     merge: bool = False
+    dsmem: bool = False
 
     @property
     def warpgroups(self) -> int:
@@ -118,6 +128,12 @@ def check_shapes(h: int, k: int, w: int, c: int, t: int, tiling: Tiling) -> None
         raise ValueError(
             f"merging in the kernel takes the warp-specialised program (384 threads) and 2 to {_MAX_CLUSTER} "
             f"splits (one cluster per row), got {tiling.threads} threads and nsplit {tiling.nsplit}"
+        )
+    if tiling.dsmem and not (tiling.merge and tiling.stages * bs == 2 * HEADS and k % 64 == 0):
+        raise ValueError(
+            f"dsmem needs merge, a key ring of exactly {2 * HEADS} keys (stages * block_s), where the f32 "
+            f"partial of 64 heads fits, and head dim a multiple of 64 (its swizzle spans 32 columns a half): "
+            f"got merge={tiling.merge}, {tiling.stages} x {bs}, head dim {k}"
         )
     if min(w, c, t) < 1:
         raise ValueError(f"need W, C, T >= 1, got W={w} C={c} T={t}")
@@ -424,7 +440,7 @@ def ws_program(b: int, h: int, k: int, w: int, c: int, t: int, scale: float, til
     fill_rows, softmax_step, reciprocal = _row_table(w, c, t, bs), _softmax_step(bs, qk), _reciprocal()
     bf16, f32, i32 = "bfloat16", "float32", "int32"
 
-    merge = tiling.merge
+    merge, dsmem = tiling.merge, tiling.dsmem
     quads = -(-k // 4 // nsplit)  # with merge: each split merges this many 4-column groups (the last fewer)
 
     @T.macro
@@ -437,6 +453,35 @@ def ws_program(b: int, h: int, k: int, w: int, c: int, t: int, scale: float, til
             T.copy(acc, out[bx, by * HEADS, d0])
         else:
             T.copy(acc, out[bx, slot, by * HEADS, d0])
+
+    @T.macro
+    def stage_partial(ring, acc, inv):
+        """One warpgroup's half of the value columns, normalised, as f32 over the bytes of its finished key
+        ring buffer (`djax_stage`: a `T.view` would inherit the ring's wgmma swizzle, which splits 32-bit
+        words), row-major with 8-column groups XOR-swizzled by head so that a fragment's 8 rows per store
+        do not share banks; `djax_dsmem_merge` reads with the same swizzle."""
+        for hh, d in T.Parallel(HEADS, kh):
+            T.call_extern(
+                "handle", f"djax_stage<{kh}>", T.address_of(ring[0, 0, 0]), hh, d, acc[hh, d] * inv[hh]
+            )
+
+    @T.macro
+    def dsmem_merge(out, ring_l, ring_r, wts, bx, by, bz, h0, tid):
+        """After the cluster barrier: `merge_slice` with the partials read from every split's shared
+        memory (`_DSMEM_MERGE`, CUDA injected into the source: TileLang has no distributed shared-memory
+        load)."""
+        T.call_extern(
+            "handle",
+            f"djax_dsmem_merge<{nsplit}, {quads}, {kh}, {k}, {HEADS}>",
+            out.data,  # address_of a global element fails to lower here: base and offset
+            (bx * h + by * HEADS) * k,
+            T.address_of(ring_l[0, 0, 0]),
+            T.address_of(ring_r[0, 0, 0]),
+            T.address_of(wts[0, 0]),
+            bz,
+            h0,
+            tid,
+        )
 
     @T.macro
     def merge_slice(out, part, wts, bx, by, bz, h0, tid):
@@ -529,9 +574,12 @@ def ws_program(b: int, h: int, k: int, w: int, c: int, t: int, scale: float, til
                             T.cast(0, bf16),
                         )
                 T.cp_async_barrier_noinc(ready[st])
-            if merge:  # every thread of the cluster arrives once
+            if merge:  # every thread of the cluster arrives once (twice with dsmem: see below)
                 T.cluster_arrive()
                 T.cluster_wait()
+                if dsmem:
+                    T.cluster_arrive()
+                    T.cluster_wait()
         elif tx < 128:
             T.set_max_nreg(240, 1)
             for hh in T.Parallel(HEADS):
@@ -557,7 +605,10 @@ def ws_program(b: int, h: int, k: int, w: int, c: int, t: int, scale: float, til
             reciprocal(l, inv)
             T.copy(inv, inv_s)
             T.barrier_arrive(l_ready)
-            finish(out if nsplit == 1 else part, bx, by, None if nsplit == 1 else bz, 0, acc_l, inv)
+            if dsmem:
+                stage_partial(k_l, acc_l, inv)
+            else:
+                finish(out if nsplit == 1 else part, bx, by, None if nsplit == 1 else bz, 0, acc_l, inv)
             if nsplit > 1:
                 # With merge, a launch without the cluster would let a split read the others' partials
                 # before they are written: the rank check makes that NaN, not a plausible wrong answer.
@@ -584,7 +635,12 @@ def ws_program(b: int, h: int, k: int, w: int, c: int, t: int, scale: float, til
                         wts[j, tx] = T.exp2(lse[bx, j, by * HEADS + tx] - top) / tot
                 T.barrier_arrive(w_ready)
                 T.barrier_wait(w_ready, 0)
-                merge_slice(out, part, wts, bx, by, bz, 0, tx)
+                if dsmem:
+                    dsmem_merge(out, k_l, k_r, wts, bx, by, bz, 0, tx)
+                    T.cluster_arrive()  # no split exits while another may still read its shared memory
+                    T.cluster_wait()
+                else:
+                    merge_slice(out, part, wts, bx, by, bz, 0, tx)
         else:
             T.set_max_nreg(168, 1)
             T.clear(acc_r)
@@ -597,12 +653,20 @@ def ws_program(b: int, h: int, k: int, w: int, c: int, t: int, scale: float, til
                 T.barrier_arrive(p_free)
                 T.barrier_arrive(free[st])
             T.barrier_wait(l_ready, 0)
-            finish(out if nsplit == 1 else part, bx, by, None if nsplit == 1 else bz, kh, acc_r, inv_s)
+            if dsmem:
+                stage_partial(k_r, acc_r, inv_s)
+            else:
+                finish(out if nsplit == 1 else part, bx, by, None if nsplit == 1 else bz, kh, acc_r, inv_s)
             if merge:
                 T.cluster_arrive()
                 T.cluster_wait()
                 T.barrier_wait(w_ready, 0)
-                merge_slice(out, part, wts, bx, by, bz, HEADS // 2, tx - 128)
+                if dsmem:
+                    dsmem_merge(out, k_l, k_r, wts, bx, by, bz, HEADS // 2, tx - 128)
+                    T.cluster_arrive()
+                    T.cluster_wait()
+                else:
+                    merge_slice(out, part, wts, bx, by, bz, HEADS // 2, tx - 128)
 
     @T.macro
     def plain(bx, by, q, win, valid, pool, topk, sinks, out):
@@ -625,11 +689,83 @@ def lower_cuda(
     """CUDA source and launch parameters (name, grid, threads, shared_bytes, params). No GPU needed."""
     program = ws_program if tiling.ws else cuda_program
     art = _lower(program(b, h, k, w, c, t, scale, tiling), {"kind": "cuda", "arch": _ARCH})
-    kind = "plain" if tiling.nsplit == 1 else "merge" if tiling.merge else "split"
+    kind = (
+        "plain" if tiling.nsplit == 1 else "dsmem" if tiling.dsmem else "merge" if tiling.merge else "split"
+    )
     source, launch = pointer_kernel(art, _OPERANDS + _RESULTS[kind])
     if tiling.merge:
         source = _with_cluster(source, launch["name"], (1, 1, tiling.nsplit))
+    if tiling.dsmem:
+        source = _with_dsmem_merge(source)
     return source, launch
+
+
+# The dsmem merge's reads (`Tiling.dsmem`), as CUDA put into the lowered source ahead of the kernel: TileLang
+# 0.1.15 has cluster copies that push shared memory to a peer, but no load from a peer's shared memory.
+# Thread `tid` of a warpgroup merges (head, 4-column group) pairs tid, tid + 128, ... of heads h0 .. h0 + H/2
+# over this split's QUADS column groups, reading each split's normalised partial at the same shared address
+# (mapa) and weighting it by wts[split][head]; loads of BATCH pairs are issued before any is used.
+_DSMEM_MERGE = r"""
+template <int KH>
+__device__ __forceinline__ void djax_stage(void* ring, int hh, int d, float v) {
+  reinterpret_cast<float*>(ring)[hh * KH + (d ^ ((hh & 3) << 3))] = v;
+}
+
+template <int NSPLIT, int QUADS, int KH, int K, int H>
+__device__ __forceinline__ void djax_dsmem_merge(const bfloat16_t* out_ro, int out_at, void* ring_l, void* ring_r,
+                                                 const float* wts, int rank, int h0, int tid) {
+  // TileLang declares the output const: this function is the only writer it does not see
+  bfloat16_t* out = const_cast<bfloat16_t*>(out_ro);
+  float* mine_l = reinterpret_cast<float*>(ring_l);
+  float* mine_r = reinterpret_cast<float*>(ring_r);
+  constexpr int ITEMS = H / 2 * QUADS;
+  constexpr int ITERS = (ITEMS + 127) / 128;
+  constexpr int BATCH = NSPLIT >= 8 ? 1 : 8 / NSPLIT;
+#pragma unroll
+  for (int it0 = 0; it0 < ITERS; it0 += BATCH) {
+    float4 v[BATCH][NSPLIT];
+#pragma unroll
+    for (int b = 0; b < BATCH; ++b) {
+      int i = (it0 + b) * 128 + tid, g = rank * QUADS + i % QUADS;
+      if (it0 + b < ITERS && i < ITEMS && g < K / 4) {
+        int hh = h0 + i / QUADS, d = g * 4;
+        float* half = d < KH ? mine_l : mine_r;
+        int dd = d < KH ? d : d - KH;
+        uint32_t local = (uint32_t)__cvta_generic_to_shared(half + hh * KH + (dd ^ ((hh & 3) << 3)));
+#pragma unroll
+        for (int j = 0; j < NSPLIT; ++j) {
+          uint32_t remote;
+          asm volatile("mapa.shared::cluster.u32 %0, %1, %2;" : "=r"(remote) : "r"(local), "r"(j));
+          asm volatile("ld.shared::cluster.v4.f32 {%0, %1, %2, %3}, [%4];"
+                       : "=f"(v[b][j].x), "=f"(v[b][j].y), "=f"(v[b][j].z), "=f"(v[b][j].w)
+                       : "r"(remote) : "memory");
+        }
+      }
+    }
+#pragma unroll
+    for (int b = 0; b < BATCH; ++b) {
+      int i = (it0 + b) * 128 + tid, g = rank * QUADS + i % QUADS;
+      if (it0 + b < ITERS && i < ITEMS && g < K / 4) {
+        int hh = h0 + i / QUADS;
+        float4 a = make_float4(0.f, 0.f, 0.f, 0.f);
+#pragma unroll
+        for (int j = 0; j < NSPLIT; ++j) {
+          float wj = wts[j * H + hh];
+          a.x += v[b][j].x * wj; a.y += v[b][j].y * wj; a.z += v[b][j].z * wj; a.w += v[b][j].w * wj;
+        }
+        bfloat16_t o[4] = {bfloat16_t(a.x), bfloat16_t(a.y), bfloat16_t(a.z), bfloat16_t(a.w)};
+        *reinterpret_cast<uint2*>(out + out_at + hh * K + g * 4) = *reinterpret_cast<const uint2*>(o);
+      }
+    }
+  }
+}
+"""
+
+
+def _with_dsmem_merge(source: str) -> str:
+    """Puts `_DSMEM_MERGE` ahead of the first kernel declaration (after TileLang's includes)."""
+    at = source.index('extern "C" __global__')
+    return source[:at] + _DSMEM_MERGE + "\n" + source[at:]
 
 
 def _with_cluster(source: str, name: str, dims: tuple[int, int, int]) -> str:
@@ -666,13 +802,15 @@ def cuda_kernel(b: int, h: int, k: int, w: int, c: int, t: int, scale: float, ti
 def default_tiling(b: int, h: int, k: int, w: int, t: int) -> Tiling | None:
     """The tiling `impl="auto"` uses, or None where the kernel does not apply (then Triton runs).
 
-    From the H200 sweeps (benchmarks/results/kernels_h200_attn_q_early.json, _attn_b8_b32_run1/2.json):
-    the warp-specialised program with 64-key steps in 2 stages, split so that the grid covers the 132 SMs
-    about once. Splits merge in the kernel where the clusters fit the SMs in one wave: two splits (b64:
-    28.2 us against 30.1 merged after) and, where more than 8 splits would be taken, 8 merged (b8: 13.3
-    us against 14.0-14.1 for 10 merged after, two runs). Clusters of 4 did not fit (b32, 4 splits merged
-    33.2 us against 21.1-21.5 merged after), so 3 to 8 splits merge after. Where the warp-specialised
-    program does not apply, the 8-warp one with the same splits, merged after.
+    From the H200 sweeps (benchmarks/results/kernels_h200_attn_q_early.json, _attn_b8_b32_run1/2.json,
+    _attn_dsmem.json): the warp-specialised program with 64-key steps in 2 stages, split so that the grid
+    covers the 132 SMs about once. Splits merge in the kernel where the clusters fit the SMs in one wave:
+    two splits through distributed shared memory (b64: 23.8 us against 28.2 through global memory and
+    30.1 merged after, one run) and, where more than 8 splits would be taken, 8 merged through global
+    memory (b8: 13.3-13.4 us against 14.0-14.6 for 10 merged after, three runs; 14.7 through distributed
+    shared memory). Clusters of 4 did not fit (b32, 4 splits merged 33.2-34.2 us against 21.1-21.5 merged
+    after), so 3 to 8 splits merge after. Where the warp-specialised program does not apply, the 8-warp
+    one with the same splits, merged after.
     """
     nb = sum(_blocks(w, t, 64))
     ctas = b * max(h // HEADS, 1)
@@ -681,7 +819,8 @@ def default_tiling(b: int, h: int, k: int, w: int, t: int) -> Tiling | None:
         if threads == 384 and nsplit > _MAX_CLUSTER and ctas * _MAX_CLUSTER <= 132:
             tiling = Tiling(64, 2, threads, _MAX_CLUSTER, merge=True)
         else:
-            tiling = Tiling(64, 2, threads, nsplit, merge=threads == 384 and nsplit == 2)
+            pair = threads == 384 and nsplit == 2
+            tiling = Tiling(64, 2, threads, nsplit, merge=pair, dsmem=pair and k % 64 == 0)
         try:
             check_shapes(h, k, w, 1, t, tiling)
         except ValueError:
@@ -711,8 +850,10 @@ def sparse_decode_tilelang(
     kern = cuda_kernel(b, h, k, w, c, t, float(scale), tiling)
     if tiling.nsplit == 1:
         return cubin.launch(kern.cubin, kern.grid, args, jax.ShapeDtypeStruct(q.shape, q.dtype))
-    if tiling.merge:  # the partials are scratch: the kernel has merged them into out
+    if tiling.merge:  # the partials (and log-sum-exps) are scratch: the kernel has merged them into out
         results = [jax.ShapeDtypeStruct(q.shape, q.dtype), *split_results(q.shape, tiling.nsplit)]
+        if tiling.dsmem:  # the partials stayed in shared memory
+            del results[1]
         return cubin.launch(kern.cubin, kern.grid, args, results)[0]
     part, lse = cubin.launch(kern.cubin, kern.grid, args, split_results(q.shape, tiling.nsplit))
     return combine_splits(part, lse).astype(q.dtype)

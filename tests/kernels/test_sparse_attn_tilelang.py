@@ -27,10 +27,10 @@ BF16 = jnp.bfloat16
 
 
 @functools.cache
-def _lowered(shape, block_s, stages, threads, nsplit, merge=False):
+def _lowered(shape, block_s, stages, threads, nsplit, merge=False, dsmem=False):
     from djax.kernels.sparse_attn_tilelang import Tiling, lower_cuda
 
-    return lower_cuda(*shape, 0.0625, Tiling(block_s, stages, threads, nsplit, merge))
+    return lower_cuda(*shape, 0.0625, Tiling(block_s, stages, threads, nsplit, merge, dsmem))
 
 
 @needs_tilelang
@@ -91,6 +91,25 @@ def test_lowering_merged_splits_kernel():
 
 
 @needs_tilelang
+def test_lowering_dsmem_merged_kernel():
+    """Splits merged through distributed shared memory: the same cluster, but no partials in global memory
+    (TileLang drops the unused parameter, so the launcher passes out and the log-sum-exps); each consumer
+    warpgroup stages its normalised half over its own key ring, and after the cluster barrier merges its
+    slice from every split's shared memory (mapa + ld.shared::cluster); a second cluster barrier keeps
+    every split resident until the others have read it."""
+    src, launch = _lowered((3, 64, 128, 100, 300, 77), 32, 4, 384, 3, True, True)
+    assert launch["name"] == "sparse_decode_merged_kernel" and launch["grid"] == (3, 1, 3)
+    assert launch["params"] == (*OPERANDS, "p6_out", "p8_lse")
+    assert "__launch_bounds__(384, 1) __cluster_dims__(1, 1, 3) sparse_decode_merged_kernel(" in src
+    assert src.count("tl::cluster_arrive();") == 6 and src.count("tl::cluster_wait();") == 6
+    assert "p7_part" not in src and "block_rank_in_cluster()" in src
+    kernel = src[src.index('extern "C" __global__') :]
+    assert kernel.count("djax_stage<64>(") == 2  # k 128: each warpgroup's 64 value columns
+    assert kernel.count("djax_dsmem_merge<3, 11, 64, 128, 64>(") == 2  # 11 of 32 column groups of 4
+    assert "ld.shared::cluster.v4.f32" in src and "mapa.shared::cluster" in src
+
+
+@needs_tilelang
 @pytest.mark.parametrize(
     "shape,tiling,match",
     [
@@ -107,6 +126,9 @@ def test_lowering_merged_splits_kernel():
         ((8, 64, 512, 128, 2048, 512), (64, 2, 384, 1, True), "merging"),  # nothing to merge
         ((8, 64, 512, 128, 2048, 512), (64, 2, 384, 9, True), "merging"),  # past the portable cluster
         ((8, 64, 512, 128, 2048, 512), (64, 2, 256, 2, True), "merging"),  # not warp-specialised
+        ((8, 64, 512, 128, 2048, 512), (64, 2, 384, 2, False, True), "dsmem"),  # nothing to merge
+        ((8, 64, 512, 128, 2048, 512), (32, 2, 384, 2, True, True), "dsmem"),  # ring of 64 keys
+        ((8, 64, 96, 128, 2048, 512), (64, 2, 384, 2, True, True), "dsmem"),  # head dim 96
     ],
 )
 def test_unsupported_shapes_raise_value_error(shape, tiling, match):
@@ -158,14 +180,18 @@ def _check(args, scale, **tiling):
         (64, 2, 12, 2, True),
         (32, 3, 12, 5, True),
         (32, 2, 12, 7, True),
+        (64, 2, 12, 2, "dsmem"),
+        (32, 4, 12, 3, "dsmem"),
+        (32, 4, 12, 7, "dsmem"),
     ],
 )
 def test_tilelang_matches_ref_odd_shapes(block_s, stages, warps, nsplit, merge):
     """b 3, W 100, T 77, C 300: neither W nor T is a multiple of block_s; 128 heads = 2 head groups.
-    With splits merged in the kernel (the cluster's split 0 reads the others' partials): up to 7 splits of
-    one 32-key block each; in the last row nothing is live, so every split but split 0 (the sink's) has
-    weight 0."""
-    args = sparse_decode_inputs(block_s + nsplit + merge, 3, 128, 512, 100, 300, 77)
+    With splits merged in the kernel (each split merges its slice of the value columns over every split's
+    partial, through global memory or, "dsmem", the cluster's shared memory): up to 7 splits of one 32-key
+    block each; 3 splits take 11, 11 and 10 groups of 4 columns, split 1's crossing the two warpgroups'
+    halves; in the last row nothing is live, so every split but split 0 (the sink's) has weight 0."""
+    args = sparse_decode_inputs(block_s + nsplit + len(str(merge)), 3, 128, 512, 100, 300, 77)
     tiling = dict(block_s=block_s, num_stages=stages, num_warps=warps, nsplit=nsplit, merge_splits=merge)
     _check(args, 512**-0.5, **tiling)
 
@@ -185,11 +211,14 @@ def test_tilelang_matches_ref_odd_shapes(block_s, stages, warps, nsplit, merge):
         (64, 2, 64, 12, True),
         (64, 4, 64, 12, True),
         (8, 8, 64, 12, True),
+        (64, 2, 64, 12, "dsmem"),
+        (64, 4, 64, 12, "dsmem"),
+        (8, 8, 64, 12, "dsmem"),
     ],
 )
 def test_tilelang_matches_ref_benchmark_shape(b, nsplit, block_s, warps, merge):
     """The benchmark's shape (h 64, k 512, W 128, C 2048, T 512) with the split counts the sweep times."""
-    args = sparse_decode_inputs(b + nsplit + merge, b, 64, 512, 128, 2048, 512)
+    args = sparse_decode_inputs(b + nsplit + len(str(merge)), b, 64, 512, 128, 2048, 512)
     tiling = dict(block_s=block_s, num_stages=2, num_warps=warps, nsplit=nsplit, merge_splits=merge)
     _check(args, 512**-0.5, **tiling)
 
@@ -204,6 +233,7 @@ def test_tilelang_large_logits_and_ring_129():
     _check(args, 512**-0.5, block_s=64, num_stages=2, num_warps=8, nsplit=4)
     _check(args, 512**-0.5, block_s=64, num_stages=2, num_warps=12, nsplit=3)
     _check(args, 512**-0.5, block_s=64, num_stages=2, num_warps=12, nsplit=3, merge_splits=True)
+    _check(args, 512**-0.5, block_s=64, num_stages=2, num_warps=12, nsplit=3, merge_splits="dsmem")
 
 
 def test_default_tiling_covers_the_sms_once_and_declines_other_heads():
@@ -211,10 +241,11 @@ def test_default_tiling_covers_the_sms_once_and_declines_other_heads():
 
     b64, b8 = default_tiling(64, 64, 512, 128, 512), default_tiling(8, 64, 512, 128, 512)
     assert (b64.block_s, b64.threads, b64.nsplit) == (64, 384, 2)  # warp-specialised, 128 CTAs
-    assert b64.merge  # the two splits of a row are one cluster and merge in the kernel
+    assert b64.merge and b64.dsmem  # the two splits of a row are one cluster, merged in shared memory
     assert default_tiling(128, 64, 512, 128, 512).nsplit == 1  # 128 rows fill the SMs alone
     # 10 key blocks, more splits than a portable cluster holds: 8 splits merged in the kernel, 64 CTAs
-    assert b8.threads == 384 and (b8.nsplit, b8.merge) == (8, True)
+    assert b8.threads == 384 and (b8.nsplit, b8.merge, b8.dsmem) == (8, True, False)
+    assert not default_tiling(64, 64, 96, 128, 512).dsmem  # head dim 96: not a multiple of 64
     b32 = default_tiling(32, 64, 512, 128, 512)
     assert (b32.nsplit, b32.merge) == (4, False)  # clusters of 4 did not fit one wave: merged after
     assert (default_tiling(20, 64, 512, 128, 512).nsplit, default_tiling(20, 64, 512, 128, 512).merge) == (
@@ -229,8 +260,10 @@ def test_default_tiling_covers_the_sms_once_and_declines_other_heads():
 
 @needs_tilelang
 @pytest.mark.gpu
-def test_auto_takes_tilelang_default_tiling(monkeypatch):
-    """impl="auto" on the GPU: the default tiling (16 warps, split over the SMs) against the reference."""
+@pytest.mark.parametrize("b", [8, 60])
+def test_auto_takes_tilelang_default_tiling(monkeypatch, b):
+    """impl="auto" on the GPU: the default tiling (12 warps, split over the SMs: 8 splits merged after at
+    b 8, 2 merged through distributed shared memory at b 60) against the reference."""
     from djax.kernels import sparse_attn_tilelang
 
     used = []
@@ -238,10 +271,11 @@ def test_auto_takes_tilelang_default_tiling(monkeypatch):
     monkeypatch.setattr(
         sparse_attn_tilelang, "sparse_decode_tilelang", lambda *a: used.append(a[-1]) or run(*a)
     )
-    args = sparse_decode_inputs(9, 8, 64, 512, 129, 700, 300)
+    args = sparse_decode_inputs(9 + b, b, 64, 512, 129, 700, 300)
     out = jax.jit(lambda *a: sparse_decode(*a, scale=512**-0.5, impl="auto"))(*args)
     ref = sparse_decode_ref(*[a.astype(jnp.float32) if a.dtype == BF16 else a for a in args], 512**-0.5)
-    assert used == [sparse_attn_tilelang.default_tiling(8, 64, 512, 129, 300)], used
+    tiling = sparse_attn_tilelang.default_tiling(b, 64, 512, 129, 300)
+    assert used == [tiling] and tiling.dsmem == (b == 60), used
     assert_close(out.astype(jnp.float32), ref, 1e-2)
 
 
