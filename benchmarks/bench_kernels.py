@@ -40,6 +40,7 @@ FP8_PEAK = 1979e12  # H200 spec sheet, dense fp8: the ceiling for the fp8 kernel
 TILELANG_TILINGS = {
     64: [
         (64, 2, 12, 1, False),
+        (64, 2, 12, 2, False),
         (64, 2, 12, 2, True),
         (64, 2, 12, 2, "dsmem"),
         (64, 2, 12, 2, "dsmem", True),
