@@ -56,12 +56,7 @@ class Tiling:
     in the kernel (warp-specialised program, 2 to 8 splits); otherwise `combine_splits` merges them after.
     dsmem (with merge): the partials stay in shared memory, over the finished key ring, and each split
     reads its slice of the others' through distributed shared memory; only the log-sum-exps go to global
-    memory. Needs stages * block_s = 128 (the ring's bytes are exactly the f32 partial's).
-    overlap (warp-specialised program): the softmax warpgroup leaves its P K product of a block running
-    while it waits for the next block's keys, waiting for it only with the next Q K^T (without, each
-    product is waited for as soon as it is issued). Slower on the H200 (b64: 26.0 against 24.3 us with
-    2 splits, 39.1 against 33.1 with one CTA per row, `kernels_h200_attn_overlap.json`): the key buffer
-    is freed one Q K^T later, so the producer's next gather starts later. Not in the default."""
+    memory. Needs stages * block_s = 128 (the ring's bytes are exactly the f32 partial's)."""
 
     block_s: int = 64
     stages: int = 2
@@ -69,7 +64,6 @@ class Tiling:
     nsplit: int = 1
     merge: bool = False
     dsmem: bool = False
-    overlap: bool = False
 
     @property
     def warpgroups(self) -> int:
@@ -135,8 +129,6 @@ def check_shapes(h: int, k: int, w: int, c: int, t: int, tiling: Tiling) -> None
             f"merging in the kernel takes the warp-specialised program (384 threads) and 2 to {_MAX_CLUSTER} "
             f"splits (one cluster per row), got {tiling.threads} threads and nsplit {tiling.nsplit}"
         )
-    if tiling.overlap and not tiling.ws:
-        raise ValueError(f"overlap is an option of the warp-specialised program (384 threads): {tiling}")
     if tiling.dsmem and not (tiling.merge and tiling.stages * bs == 2 * HEADS and k % 64 == 0):
         raise ValueError(
             f"dsmem needs merge, a key ring of exactly {2 * HEADS} keys (stages * block_s), where the f32 "
@@ -448,7 +440,7 @@ def ws_program(b: int, h: int, k: int, w: int, c: int, t: int, scale: float, til
     fill_rows, softmax_step, reciprocal = _row_table(w, c, t, bs), _softmax_step(bs, qk), _reciprocal()
     bf16, f32, i32 = "bfloat16", "float32", "int32"
 
-    merge, dsmem, overlap = tiling.merge, tiling.dsmem, tiling.overlap
+    merge, dsmem = tiling.merge, tiling.dsmem
     quads = -(-k // 4 // nsplit)  # with merge: each split merges this many 4-column groups (the last fewer)
 
     @T.macro
@@ -597,13 +589,8 @@ def ws_program(b: int, h: int, k: int, w: int, c: int, t: int, scale: float, til
             for g in T.serial(n):
                 st = g % ns
                 T.barrier_wait(ready[st], (g // ns) & 1)
-                # the wait after Q K^T also covers the previous block's P K when it was left running
                 T.gemm(q_l, k_l[st, :, :], s, transpose_B=True, clear_accum=True)
                 T.gemm(q_r, k_r[st, :, :], s, transpose_B=True)
-                if overlap:  # acc_l is final again: keep nvcc from reading its registers any earlier
-                    T.warpgroup_fence_operand(acc_l, 0, HEADS * kh // 128)
-                    if g > 0:
-                        T.barrier_arrive(free[(g - 1) % ns])
                 softmax_step(s, rows, (lo + g) * bs, m, m_prev, alpha, rsum, l)
                 for hh, d in T.Parallel(HEADS, kh):
                     acc_l[hh, d] *= alpha[hh]
@@ -613,15 +600,8 @@ def ws_program(b: int, h: int, k: int, w: int, c: int, t: int, scale: float, til
                 T.copy(alpha, alpha_s)
                 T.fence_proxy_async()  # P is read by the other warpgroup's wgmma (the async proxy)
                 T.barrier_arrive(p_ready)
-                if overlap:
-                    T.wgmma_gemm(p_s, k_l[st, :, :], acc_l)
-                else:
-                    T.gemm(p_s, k_l[st, :, :], acc_l)
-                    T.barrier_arrive(free[st])
-            if overlap:
-                T.wait_wgmma(0)
-                T.warpgroup_fence_operand(acc_l, 0, HEADS * kh // 128)
-                T.barrier_arrive(free[(n - 1) % ns])
+                T.gemm(p_s, k_l[st, :, :], acc_l)
+                T.barrier_arrive(free[st])
             reciprocal(l, inv)
             T.copy(inv, inv_s)
             T.barrier_arrive(l_ready)

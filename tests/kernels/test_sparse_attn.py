@@ -104,8 +104,6 @@ def test_public_op_auto_is_ref_on_cpu():
         sparse_decode(*args, scale=0.3, impl="cuda-magic")
     with pytest.raises(ValueError, match="merge_splits"):  # the Triton kernel has no in-kernel merge
         sparse_decode(*args, scale=0.3, impl="triton", nsplit=2, merge_splits=True)
-    with pytest.raises(ValueError, match="overlap"):
-        sparse_decode(*args, scale=0.3, impl="triton", overlap=True)
     with pytest.raises(ValueError, match="merge_splits must be"):
         sparse_decode(*args, scale=0.3, impl="tilelang", nsplit=2, merge_splits="smem")
 

@@ -27,10 +27,10 @@ BF16 = jnp.bfloat16
 
 
 @functools.cache
-def _lowered(shape, block_s, stages, threads, nsplit, merge=False, dsmem=False, overlap=False):
+def _lowered(shape, block_s, stages, threads, nsplit, merge=False, dsmem=False):
     from djax.kernels.sparse_attn_tilelang import Tiling, lower_cuda
 
-    return lower_cuda(*shape, 0.0625, Tiling(block_s, stages, threads, nsplit, merge, dsmem, overlap))
+    return lower_cuda(*shape, 0.0625, Tiling(block_s, stages, threads, nsplit, merge, dsmem))
 
 
 @needs_tilelang
@@ -110,20 +110,6 @@ def test_lowering_dsmem_merged_kernel():
 
 
 @needs_tilelang
-def test_lowering_overlapped_p_k():
-    """overlap: the softmax warpgroup's P K is issued without a wait; the wait after the next Q K^T covers
-    it (acc_l fenced there before it is read again) and frees the previous block's buffer; after the loop
-    one explicit wait before the accumulator is used."""
-    src, launch = _lowered((3, 64, 128, 100, 300, 77), 32, 2, 384, 2, False, False, True)
-    plain, _ = _lowered((3, 64, 128, 100, 300, 77), 32, 2, 384, 2)
-    assert launch["params"] == (*OPERANDS, "p6_part", "p7_lse")
-    assert src.count("tl::wait_wgmma<0>();") == 1 and "wait_wgmma" not in plain
-    # the waits: Q K^T's two and P K's in the right warpgroup, one fewer than without overlap
-    assert src.count("tl::warpgroup_wait<0>();") == plain.count("tl::warpgroup_wait<0>();") - 1
-    assert src.count("warpgroup_fence_operand(reinterpret_cast<float*>(acc_l + 0)") >= 3
-
-
-@needs_tilelang
 @pytest.mark.parametrize(
     "shape,tiling,match",
     [
@@ -143,7 +129,6 @@ def test_lowering_overlapped_p_k():
         ((8, 64, 512, 128, 2048, 512), (64, 2, 384, 2, False, True), "dsmem"),  # nothing to merge
         ((8, 64, 512, 128, 2048, 512), (32, 2, 384, 2, True, True), "dsmem"),  # ring of 64 keys
         ((8, 64, 96, 128, 2048, 512), (64, 2, 384, 2, True, True), "dsmem"),  # head dim 96
-        ((8, 64, 512, 128, 2048, 512), (64, 2, 256, 2, False, False, True), "overlap"),  # not 12 warps
     ],
 )
 def test_unsupported_shapes_raise_value_error(shape, tiling, match):
@@ -240,26 +225,6 @@ def test_tilelang_matches_ref_benchmark_shape(b, nsplit, block_s, warps, merge):
 
 @needs_tilelang
 @pytest.mark.gpu
-@pytest.mark.parametrize(
-    "b,h,w,c,t,block_s,nsplit,merge",
-    [
-        (3, 128, 100, 300, 77, 32, 1, False),
-        (3, 128, 100, 300, 77, 32, 3, True),
-        (3, 128, 100, 300, 77, 64, 2, "dsmem"),
-        (64, 64, 128, 2048, 512, 64, 2, "dsmem"),
-        (8, 64, 128, 2048, 512, 64, 8, True),
-    ],
-)
-def test_tilelang_overlapped_p_k_matches_ref(b, h, w, c, t, block_s, nsplit, merge):
-    """The softmax warpgroup's P K left running across the wait for the next block (`overlap`): odd shapes
-    with 1 (every block of a row in one CTA), 3 and 2 splits, the benchmark shape at b 64 and b 8."""
-    args = sparse_decode_inputs(b + nsplit + 11, b, h, 512, w, c, t)
-    tiling = dict(block_s=block_s, num_stages=128 // block_s, num_warps=12, nsplit=nsplit, merge_splits=merge)
-    _check(args, 512**-0.5, overlap=True, **tiling)
-
-
-@needs_tilelang
-@pytest.mark.gpu
 def test_tilelang_large_logits_and_ring_129():
     """Scores far above the sink (the sink's term underflows) and the model's ring of R + 1 = 129 slots."""
     args = list(sparse_decode_inputs(5, 4, 64, 512, 129, 1000, 512))
@@ -277,7 +242,6 @@ def test_default_tiling_covers_the_sms_once_and_declines_other_heads():
     b64, b8 = default_tiling(64, 64, 512, 128, 512), default_tiling(8, 64, 512, 128, 512)
     assert (b64.block_s, b64.threads, b64.nsplit) == (64, 384, 2)  # warp-specialised, 128 CTAs
     assert b64.merge and b64.dsmem  # the two splits of a row are one cluster, merged in shared memory
-    assert not b64.overlap and not default_tiling(8, 64, 512, 128, 512).overlap  # measured slower
     assert default_tiling(128, 64, 512, 128, 512).nsplit == 1  # 128 rows fill the SMs alone
     # 10 key blocks, more splits than a portable cluster holds: 8 splits merged in the kernel, 64 CTAs
     assert b8.threads == 384 and (b8.nsplit, b8.merge, b8.dsmem) == (8, True, False)
