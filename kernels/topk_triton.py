@@ -34,6 +34,31 @@ def _chunk_keys(x_ptr, n_valid, row, col0, j, S: tl.constexpr, n):
 
 
 @triton.jit
+def _digit_hist(
+    x_ptr,
+    n_valid,
+    row,
+    col0,
+    S: tl.constexpr,
+    LEN: tl.constexpr,
+    n,
+    prefix,
+    known,
+    shift,
+    BLOCK: tl.constexpr,
+):
+    """Counts of the 8-bit digit at `shift` among the chunk's keys whose bits under `known` equal
+    `prefix` (the digits fixed by earlier passes): one radix pass over LEN positions, n of them taken part."""
+    hist = tl.zeros([256], tl.int32)
+    for start in range(0, LEN, BLOCK):
+        j = start + tl.arange(0, BLOCK)
+        key, inside = _chunk_keys(x_ptr, n_valid, row, col0, j, S, n)
+        hit = inside & ((key & known) == prefix)
+        hist += tl.histogram(((key >> shift) & 0xFF).to(tl.int32), 256, mask=hit)
+    return hist
+
+
+@triton.jit
 def _row_chunk(len_ptr, pid, S: tl.constexpr, CHUNK: tl.constexpr, NC: tl.constexpr, HAS_LEN: tl.constexpr):
     """(row, first column, columns of the chunk that exist, columns of it below the row's length)."""
     row = pid // NC
@@ -68,12 +93,7 @@ def topk_kernel(
     need = tl.full([], K, tl.int32)  # picks still to place among keys matching the prefix
     for p in tl.static_range(4):
         shift = 24 - 8 * p
-        hist = tl.zeros([256], tl.int32)
-        for start in range(0, N, BLOCK):
-            j = start + tl.arange(0, BLOCK)
-            key, inside = _chunk_keys(x_ptr, n_valid, row, col0, j, S, N)
-            hit = inside & ((key & known) == prefix)
-            hist += tl.histogram(((key >> shift) & 0xFF).to(tl.int32), 256, mask=hit)
+        hist = _digit_hist(x_ptr, n_valid, row, col0, S, N, N, prefix, known, shift, BLOCK)
         at_or_above = tl.cumsum(hist, 0, reverse=True)
         d = tl.max(tl.where(at_or_above >= need, digits, -1), 0)
         above = tl.sum(tl.where(digits > d, hist, 0), 0)
@@ -172,12 +192,7 @@ def grid_hist_kernel(
     row, col0, n_here, n_valid = _row_chunk(len_ptr, pid, S, CHUNK, NC, HAS_LEN)
     prefix, known, _ = _fixed_digits(work_ptr, row, K, PASS)
     shift: tl.constexpr = 24 - 8 * PASS
-    hist = tl.zeros([256], tl.int32)
-    for start in range(0, CHUNK, BLOCK):
-        j = start + tl.arange(0, BLOCK)
-        key, inside = _chunk_keys(x_ptr, n_valid, row, col0, j, S, n_here)
-        hit = inside & ((key & known) == prefix)
-        hist += tl.histogram(((key >> shift) & 0xFF).to(tl.int32), 256, mask=hit)
+    hist = _digit_hist(x_ptr, n_valid, row, col0, S, CHUNK, n_here, prefix, known, shift, BLOCK)
     digits = tl.arange(0, 256)
     # Updates go through the result pointer (the same buffer as work_ptr, aliased), so that a launch that
     # lost the alias would change its fresh result, not its operand.

@@ -218,6 +218,23 @@ def test_topk_grid_interpreted(b, s, k, chunk):
     np.testing.assert_array_equal(idx.numpy(), np.asarray(ri))
 
 
+@pytest.mark.parametrize("b,s,k,chunk", [(64, 129280, 50, 16384), (64, 2048, 512, 2048)])
+def test_topk_kernel_compiles_for_sm90(b, s, k, chunk):
+    """The chunked form's kernel at the vocab shape (8 chunks a row) and at one program per row compiles
+    ahead to an sm_90 cubin for the FFI launcher, as `topk._launch` builds it."""
+    pytest.importorskip("triton")
+    from djax.kernels.topk import compile_step
+    from djax.kernels.topk_triton import constexprs, num_programs, topk_kernel
+
+    cx = constexprs(s, k, True, 1024, chunk)
+    n = num_programs(s, chunk)
+    args = [jax.ShapeDtypeStruct((b, s), jnp.float32), jax.ShapeDtypeStruct((b,), jnp.int32)]
+    outs = [((b, n * k), "float32"), ((b, n * k), "int32"), ((b * n, cx["KP"]), "uint64")]
+    kern, types, aliases = compile_step(topk_kernel, args, outs, cx, 8)
+    assert kern.name == "topk_kernel" and kern.binary[:4] == b"\x7fELF" and not aliases
+    assert [t.shape for t in types] == [(b, n * k), (b, n * k), (b * n, cx["KP"])]
+
+
 def test_topk_grid_steps_compile_for_sm90():
     """Every step of the grid form at a full-size shape (one row of 262,144, k 512, lengths) compiles ahead
     to an sm_90 cubin that the FFI launcher can run (no Triton scratch memory)."""
