@@ -35,23 +35,19 @@ COPY_BW = 4.3e12  # measured device copy bandwidth on the lent H200 (bytes read 
 BF16_RATE = 790e12  # measured dense bf16 matmul rate on the lent H200
 FP8_PEAK = 1979e12  # H200 spec sheet, dense fp8: the ceiling for the fp8 kernels' FLOPs
 # TileLang sparse decode tilings (block_s, stages, warps, splits per row, merged in the kernel: True through
-# global memory, "dsmem" through the cluster's shared memory; L2 prefetch distance in blocks, 0 = off)
-# worth timing per batch size (12 warps: the warp-specialised program)
+# global memory, "dsmem" through the cluster's shared memory) worth timing per batch size (12 warps: the
+# warp-specialised program)
 TILELANG_TILINGS = {
     64: [
-        (64, 2, 12, 1, False, 0),
-        (64, 2, 12, 1, False, 2),
-        (64, 2, 12, 1, False, 4),
-        (64, 2, 12, 2, True, 0),
-        (64, 2, 12, 2, "dsmem", 0),
-        (64, 2, 12, 2, "dsmem", 2),
-        (64, 2, 12, 2, "dsmem", 3),
-        (64, 2, 12, 2, "dsmem", 8),
-        (32, 4, 12, 2, "dsmem", 4),
-        (32, 4, 12, 2, "dsmem", 6),
+        (64, 2, 12, 1, False),
+        (64, 2, 12, 2, False),
+        (64, 2, 12, 2, True),
+        (64, 2, 12, 2, "dsmem"),
+        (64, 2, 12, 3, "dsmem"),
+        (32, 4, 12, 2, "dsmem"),
     ],
-    32: [(64, 2, 12, 4, False, 0), (64, 2, 12, 4, False, 2), (64, 2, 12, 2, "dsmem", 0), (64, 2, 12, 2, "dsmem", 2)],
-    8: [(64, 2, 12, 10, False, 0), (64, 2, 12, 8, True, 0), (64, 2, 12, 4, True, 2)],
+    32: [(64, 2, 12, 4, False), (64, 2, 12, 2, True), (64, 2, 12, 2, "dsmem"), (64, 2, 12, 4, "dsmem")],
+    8: [(64, 2, 12, 10, False), (64, 2, 12, 8, True), (64, 2, 12, 8, "dsmem"), (64, 2, 12, 5, "dsmem")],
 }
 
 
@@ -293,14 +289,13 @@ def run(
                 )
             # TileLang: all 64 heads of a row per CTA (block_s keys per step, stages, warps, splits per row)
             tilelang = TILELANG_TILINGS.get(b, []) if attn_sweep else []
-            for bs, st, nw, ns, merge, pf in tilelang if not small else []:
+            for bs, st, nw, ns, merge in tilelang if not small else []:
                 record(
                     "sparse_decode",
                     shape,
                     f"tilelang bs{bs} st{st} w{nw} split{ns}"
-                    + {False: "", True: " merged", "dsmem": " merged dsmem"}[merge]
-                    + (f" prefetch{pf}" if pf else ""),
-                    lambda *a, bs=bs, st=st, nw=nw, ns=ns, merge=merge, pf=pf: sparse_decode(
+                    + {False: "", True: " merged", "dsmem": " merged dsmem"}[merge],
+                    lambda *a, bs=bs, st=st, nw=nw, ns=ns, merge=merge: sparse_decode(
                         *a,
                         scale=scale,
                         impl="tilelang",
@@ -309,7 +304,6 @@ def run(
                         num_warps=nw,
                         nsplit=ns,
                         merge_splits=merge,
-                        l2_prefetch=pf,
                     ),
                     sets,
                     flops,

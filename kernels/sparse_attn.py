@@ -25,7 +25,6 @@ def sparse_decode(
     num_stages: int = 1,
     nsplit: int = 1,
     merge_splits: bool | str = False,
-    l2_prefetch: int = 0,
 ):
     """Decode attention over the SWA ring plus top-k picks from the compressed pool, K = V, with sinks.
 
@@ -43,9 +42,7 @@ def sparse_decode(
     splits): the splits of a row run as one thread-block cluster and merge inside the kernel instead of
     through f32 partials merged after: True exchanges the partials through global memory (L2), "dsmem"
     through distributed shared memory (the cluster's shared memory, over the finished key ring; needs
-    num_stages * block_s = 128). `l2_prefetch` (12 warps; 0 = off, else >= num_stages): the producer asks
-    L2 for the key rows that many blocks ahead of the block it copies into shared memory, so that more
-    keys are in flight than the ring holds. Unsupported shapes raise ValueError.
+    num_stages * block_s = 128). Unsupported shapes raise ValueError.
     """
     shapes.sparse_decode(q, window, window_valid, pool, topk, sinks)
     if impl == "auto" and q.dtype == jnp.bfloat16 and on_cuda() and has_tilelang():
@@ -55,21 +52,18 @@ def sparse_decode(
         if tiling is not None:
             impl, block_s, num_stages, nsplit = "tilelang", tiling.block_s, tiling.stages, tiling.nsplit
             num_warps, merge_splits = tiling.threads // 32, "dsmem" if tiling.dsmem else tiling.merge
-            l2_prefetch = tiling.prefetch
     if merge_splits not in (False, True, "dsmem"):
         raise ValueError(f'merge_splits must be False, True or "dsmem", got {merge_splits!r}')
     impl = resolve(impl, ("ref", "triton", "tilelang"))
     if merge_splits and impl == "triton":
         raise ValueError("merge_splits is a TileLang option: the Triton kernel merges its splits after")
-    if l2_prefetch and impl == "triton":
-        raise ValueError("l2_prefetch is a TileLang option (the warp-specialised program)")
     if impl == "ref":
         return sparse_decode_ref(q, window, window_valid, pool, topk, sinks, scale)
     if impl == "tilelang":
         from djax.kernels.sparse_attn_tilelang import Tiling, sparse_decode_tilelang
 
         merge, dsmem = bool(merge_splits), merge_splits == "dsmem"
-        tiling = Tiling(block_s, max(num_stages, 2), 32 * num_warps, nsplit, merge, dsmem, l2_prefetch)
+        tiling = Tiling(block_s, max(num_stages, 2), 32 * num_warps, nsplit, merge, dsmem)
         return sparse_decode_tilelang(q, window, window_valid, pool, topk, sinks, scale, tiling)
     return _triton(
         q, window, window_valid, pool, topk, sinks, scale, block_h, block_s, num_warps, num_stages, nsplit

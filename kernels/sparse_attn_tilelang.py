@@ -56,10 +56,7 @@ class Tiling:
     in the kernel (warp-specialised program, 2 to 8 splits); otherwise `combine_splits` merges them after.
     dsmem (with merge): the partials stay in shared memory, over the finished key ring, and each split
     reads its slice of the others' through distributed shared memory; only the log-sum-exps go to global
-    memory. Needs stages * block_s = 128 (the ring's bytes are exactly the f32 partial's).
-    prefetch (warp-specialised program): the producer asks L2 for the live rows of the key block
-    `prefetch` blocks ahead of the one it is copying (`cp.async.bulk.prefetch.L2`, one row per thread), so
-    that more than the ring's bytes are on their way from DRAM; 0 turns it off."""
+    memory. Needs stages * block_s = 128 (the ring's bytes are exactly the f32 partial's)."""
 
     block_s: int = 64
     stages: int = 2
@@ -67,7 +64,6 @@ class Tiling:
     nsplit: int = 1
     merge: bool = False
     dsmem: bool = False
-    prefetch: int = 0
 
     @property
     def warpgroups(self) -> int:
@@ -128,8 +124,6 @@ def check_shapes(h: int, k: int, w: int, c: int, t: int, tiling: Tiling) -> None
             raise ValueError(f"block_s must be 16, 32, 64 or 128 and split into {nwg} x 8 columns, got {bs}")
     if tiling.stages < 2:
         raise ValueError(f"stages must be >= 2, got {tiling.stages}")
-    if tiling.prefetch < 0:
-        raise ValueError(f"prefetch must be >= 0, got {tiling.prefetch}")
     if tiling.merge and not (tiling.ws and 2 <= tiling.nsplit <= _MAX_CLUSTER):
         raise ValueError(
             f"merging in the kernel takes the warp-specialised program (384 threads) and 2 to {_MAX_CLUSTER} "
@@ -140,12 +134,6 @@ def check_shapes(h: int, k: int, w: int, c: int, t: int, tiling: Tiling) -> None
             f"dsmem needs merge, a key ring of exactly {2 * HEADS} keys (stages * block_s), where the f32 "
             f"partial of 64 heads fits, and head dim a multiple of 64 (its swizzle spans 32 columns a half): "
             f"got merge={tiling.merge}, {tiling.stages} x {bs}, head dim {k}"
-        )
-    if tiling.prefetch and not (tiling.ws and tiling.prefetch >= tiling.stages and k % 8 == 0):
-        raise ValueError(
-            f"prefetch takes the warp-specialised program (384 threads) and a distance of at least the "
-            f"{tiling.stages} stages (nearer blocks are copied at once), with rows a multiple of 16 bytes: "
-            f"got {tiling.threads} threads, prefetch {tiling.prefetch}, head dim {k}"
         )
     if min(w, c, t) < 1:
         raise ValueError(f"need W, C, T >= 1, got W={w} C={c} T={t}")
@@ -452,7 +440,7 @@ def ws_program(b: int, h: int, k: int, w: int, c: int, t: int, scale: float, til
     fill_rows, softmax_step, reciprocal = _row_table(w, c, t, bs), _softmax_step(bs, qk), _reciprocal()
     bf16, f32, i32 = "bfloat16", "float32", "int32"
 
-    merge, dsmem, ahead = tiling.merge, tiling.dsmem, tiling.prefetch
+    merge, dsmem = tiling.merge, tiling.dsmem
     quads = -(-k // 4 // nsplit)  # with merge: each split merges this many 4-column groups (the last fewer)
 
     @T.macro
@@ -517,16 +505,6 @@ def ws_program(b: int, h: int, k: int, w: int, c: int, t: int, scale: float, til
                     out[bx, by * HEADS + hh, d + v] = T.cast(acc4[v], bf16)
 
     @T.macro
-    def prefetch_rows(bx, rows, blk, win, pool, r):
-        """Producer thread r (< block_s) asks L2 for key block blk's row r, if live (`djax_prefetch_l2`)."""
-        row = rows[blk * bs + r]
-        if row >= 0:
-            if blk < nbw:
-                T.call_extern("handle", "djax_prefetch_l2", win.data, (T.cast(bx, "int64") * w + row) * k, 2 * k)
-            else:
-                T.call_extern("handle", "djax_prefetch_l2", pool.data, (T.cast(bx, "int64") * c + row) * k, 2 * k)
-
-    @T.macro
     def body(bx, by, bz, lo, n, first, q, win, valid, pool, topk, sinks, out, part, lse):
         q_l = T.alloc_shared((HEADS, kh), bf16)
         q_r = T.alloc_shared((HEADS, kh), bf16)
@@ -569,14 +547,6 @@ def ws_program(b: int, h: int, k: int, w: int, c: int, t: int, scale: float, til
             T.set_max_nreg(80, 0)
             for g in T.serial(n):
                 st = g % ns
-                if ahead and tx - 256 < bs:
-                    # blocks below `stages` are copied at once; block `ahead` and those between go first
-                    if g == 0:
-                        for p in T.serial(ns, ahead):
-                            if p < n:
-                                prefetch_rows(bx, rows, lo + p, win, pool, tx - 256)
-                    if g + ahead < n:
-                        prefetch_rows(bx, rows, lo + g + ahead, win, pool, tx - 256)
                 T.barrier_wait(free[st], ((g // ns) & 1) ^ 1)
                 blk = lo + g
                 if blk < nbw:
@@ -726,9 +696,7 @@ def lower_cuda(
     if tiling.merge:
         source = _with_cluster(source, launch["name"], (1, 1, tiling.nsplit))
     if tiling.dsmem:
-        source = _with_device_code(source, _DSMEM_MERGE)
-    if tiling.prefetch:
-        source = _with_device_code(source, _PREFETCH_L2)
+        source = _with_dsmem_merge(source)
     return source, launch
 
 
@@ -794,18 +762,10 @@ __device__ __forceinline__ void djax_dsmem_merge(const bfloat16_t* out_ro, int o
 """
 
 
-# `Tiling.prefetch`: one bulk prefetch of `bytes` (a multiple of 16, from a 16-byte aligned address) into L2.
-_PREFETCH_L2 = r"""
-__device__ __forceinline__ void djax_prefetch_l2(const bfloat16_t* base, long long at, int bytes) {
-  asm volatile("cp.async.bulk.prefetch.L2.global [%0], %1;" :: "l"(base + at), "r"(bytes) : "memory");
-}
-"""
-
-
-def _with_device_code(source: str, code: str) -> str:
-    """Puts CUDA device functions ahead of the first kernel declaration (after TileLang's includes)."""
+def _with_dsmem_merge(source: str) -> str:
+    """Puts `_DSMEM_MERGE` ahead of the first kernel declaration (after TileLang's includes)."""
     at = source.index('extern "C" __global__')
-    return source[:at] + code + "\n" + source[at:]
+    return source[:at] + _DSMEM_MERGE + "\n" + source[at:]
 
 
 def _with_cluster(source: str, name: str, dims: tuple[int, int, int]) -> str:

@@ -27,10 +27,10 @@ BF16 = jnp.bfloat16
 
 
 @functools.cache
-def _lowered(shape, block_s, stages, threads, nsplit, merge=False, dsmem=False, prefetch=0):
+def _lowered(shape, block_s, stages, threads, nsplit, merge=False, dsmem=False):
     from djax.kernels.sparse_attn_tilelang import Tiling, lower_cuda
 
-    return lower_cuda(*shape, 0.0625, Tiling(block_s, stages, threads, nsplit, merge, dsmem, prefetch))
+    return lower_cuda(*shape, 0.0625, Tiling(block_s, stages, threads, nsplit, merge, dsmem))
 
 
 @needs_tilelang
@@ -72,23 +72,6 @@ def test_lowering_warp_specialised_kernel():
     first, roles = src.index("if (256 <= ((int)threadIdx.x))"), src.rindex("if (256 <= ((int)threadIdx.x))")
     assert "q_l" in src[first : src.index("__syncthreads", first)]
     assert "__syncthreads" not in src[roles:]
-
-
-@needs_tilelang
-def test_lowering_l2_prefetch():
-    """`prefetch`: the producer asks L2 for each live row of the block 3 ahead of the one it copies (one
-    1-KB bulk prefetch a thread, 64-bit offsets), before it waits for a free ring buffer; at the first step
-    also for block 2, the one between the ring and the distance. Without it, no prefetch is emitted."""
-    src, _ = _lowered((3, 64, 512, 100, 300, 77), 32, 2, 384, 1, prefetch=3)
-    assert "cp.async.bulk.prefetch.L2.global" in src  # the injected device function
-    loop = src[src.rindex("tl::warpgroup_reg_dealloc<80>()") :]
-    calls = loop[: loop.index("free[")]
-    # block 2 (a window block: the first 4 of 32 keys are the ring's), then block g + 3 from either source
-    assert calls.count("djax_prefetch_l2(p1_window") == 2 and calls.count("djax_prefetch_l2(p3_pool") == 1
-    assert "(int64_t)" in calls and ", 1024);" in calls  # 512 bf16 a row
-    assert "djax_prefetch_l2(" not in loop[loop.index("free[") :]
-    plain, _ = _lowered((3, 64, 512, 100, 300, 77), 32, 2, 384, 1)
-    assert "prefetch" not in plain
 
 
 @needs_tilelang
@@ -146,9 +129,6 @@ def test_lowering_dsmem_merged_kernel():
         ((8, 64, 512, 128, 2048, 512), (64, 2, 384, 2, False, True), "dsmem"),  # nothing to merge
         ((8, 64, 512, 128, 2048, 512), (32, 2, 384, 2, True, True), "dsmem"),  # ring of 64 keys
         ((8, 64, 96, 128, 2048, 512), (64, 2, 384, 2, True, True), "dsmem"),  # head dim 96
-        ((8, 64, 512, 128, 2048, 512), (64, 2, 256, 2, False, False, 2), "prefetch"),  # not warp-specialised
-        ((8, 64, 512, 128, 2048, 512), (64, 2, 384, 2, False, False, 1), "prefetch"),  # within the ring
-        ((8, 64, 512, 128, 2048, 512), (64, 2, 384, 2, False, False, -1), "prefetch"),
     ],
 )
 def test_unsupported_shapes_raise_value_error(shape, tiling, match):
@@ -241,28 +221,6 @@ def test_tilelang_matches_ref_benchmark_shape(b, nsplit, block_s, warps, merge):
     args = sparse_decode_inputs(b + nsplit + len(str(merge)), b, 64, 512, 128, 2048, 512)
     tiling = dict(block_s=block_s, num_stages=2, num_warps=warps, nsplit=nsplit, merge_splits=merge)
     _check(args, 512**-0.5, **tiling)
-
-
-@needs_tilelang
-@pytest.mark.gpu
-@pytest.mark.parametrize(
-    "b,h,w,c,t,block_s,nsplit,merge,prefetch",
-    [
-        (3, 128, 100, 300, 77, 32, 1, False, 2),  # 7 blocks of 32: both sources, ragged ends
-        (3, 128, 100, 300, 77, 32, 2, "dsmem", 5),  # dsmem: a ring of 4 x 32 keys
-        (3, 128, 100, 300, 77, 32, 3, True, 9),  # farther than any split's blocks: all at the first step
-        (64, 64, 128, 2048, 512, 64, 2, "dsmem", 2),
-        (64, 64, 128, 2048, 512, 64, 1, False, 4),
-    ],
-)
-def test_tilelang_l2_prefetch_matches_ref(b, h, w, c, t, block_s, nsplit, merge, prefetch):
-    """The producer's L2 prefetch changes no value: the warp-specialised program with it against the
-    reference, at odd shapes (the last row with nothing live: no row is prefetched there) and the
-    benchmark's."""
-    args = sparse_decode_inputs(b + nsplit + prefetch, b, h, 512, w, c, t)
-    stages = 128 // block_s if merge == "dsmem" else 2
-    tiling = dict(block_s=block_s, num_stages=stages, num_warps=12, nsplit=nsplit, merge_splits=merge)
-    _check(args, 512**-0.5, l2_prefetch=prefetch, **tiling)
 
 
 @needs_tilelang
