@@ -43,7 +43,7 @@ _RESULTS = {
     "plain": ("p6_out",),
     "split": ("p6_part", "p7_lse"),
     "merge": ("p6_out", "p7_part", "p8_lse"),
-    "dsmem": ("p6_out",),  # the merged entry, its unused partial and log-sum-exps dropped by TileLang
+    "dsmem": ("p6_out", "p8_lse"),  # the merged entry with the unused partial dropped by TileLang
 }
 _MAX_CLUSTER = 8  # the portable thread-block cluster size
 
@@ -93,7 +93,7 @@ def shared_bytes(k: int, w: int, t: int, tiling: Tiling) -> int:
     """Shared memory the program asks for: q, the key ring, P, the per-slot row table (static shared)."""
     nbw, nbt = _blocks(w, t, tiling.block_s)
     # the warp-specialised program's alpha and 1 / l tables, and with merge every split's weights
-    extra = 4 * HEADS * (2 + (tiling.nsplit if tiling.merge else 0) + tiling.dsmem) if tiling.ws else 0
+    extra = 4 * HEADS * (2 + (tiling.nsplit if tiling.merge else 0)) if tiling.ws else 0
     return (
         2 * (HEADS * k + tiling.stages * tiling.block_s * k + HEADS * tiling.block_s)
         + 4 * ((nbw + nbt) * tiling.block_s)
@@ -533,9 +533,6 @@ def ws_program(b: int, h: int, k: int, w: int, c: int, t: int, scale: float, til
             w_ready = T.alloc_barrier(128)  # softmax warpgroup has written the weights
             top = T.alloc_var(f32)
             tot = T.alloc_var(f32)
-            lse_j = T.alloc_local((nsplit,), f32)  # one head's log-sum-exp in every split
-            if dsmem:  # this split's log-sum-exps, read by every split of the cluster
-                lse_s = T.alloc_shared((HEADS,), f32, scope="shared")
         tx = T.get_thread_binding()
 
         if tx >= 256:  # q needs no slot table: its copies start first and land with key block 0
@@ -617,35 +614,25 @@ def ws_program(b: int, h: int, k: int, w: int, c: int, t: int, scale: float, til
                 # before they are written: the rank check makes that NaN, not a plausible wrong answer.
                 live = T.block_rank_in_cluster() == bz if merge else True
                 for hh in T.Parallel(HEADS):
-                    value = T.if_then_else(
+                    lse[bx, bz, by * HEADS + hh] = T.if_then_else(
                         live,
                         T.if_then_else(l[hh] > 0, m[hh] + T.log2(l[hh]), -T.infinity(f32)),
                         T.float32(math.nan),
                     )
-                    if dsmem:  # no global round trip: the other splits read it from this CTA
-                        lse_s[hh] = value
-                    else:
-                        lse[bx, bz, by * HEADS + hh] = value
             if merge:
                 T.cluster_arrive()  # release: this split's partial and lse, to the cluster
                 T.cluster_wait()  # acquire: every split's
                 # weights per head: exp2(lse_j - max) / sum (split 0 holds the sink, so the max is finite;
                 # a split with no live key has lse -inf and weight 0)
                 if tx < HEADS:
-                    for j in T.unroll(nsplit):
-                        if dsmem:  # split j's shared memory (`djax_dsmem_f32`)
-                            lse_j[j] = T.call_extern("float32", "djax_dsmem_f32", T.address_of(lse_s[tx]), j)
-                        else:
-                            lse_j[j] = lse[bx, j, by * HEADS + tx]
-                    top = lse_j[0]
-                    for j in T.unroll(1, nsplit):
-                        top = T.max(top, lse_j[j])
+                    top = lse[bx, 0, by * HEADS + tx]
+                    for j in T.serial(1, nsplit):
+                        top = T.max(top, lse[bx, j, by * HEADS + tx])
                     tot = 0.0
-                    for j in T.unroll(nsplit):
-                        lse_j[j] = T.exp2(lse_j[j] - top)
-                        tot += lse_j[j]
-                    for j in T.unroll(nsplit):
-                        wts[j, tx] = lse_j[j] / tot
+                    for j in T.serial(nsplit):
+                        tot += T.exp2(lse[bx, j, by * HEADS + tx] - top)
+                    for j in T.serial(nsplit):
+                        wts[j, tx] = T.exp2(lse[bx, j, by * HEADS + tx] - top) / tot
                 T.barrier_arrive(w_ready)
                 T.barrier_wait(w_ready, 0)
                 if dsmem:
@@ -719,14 +706,6 @@ def lower_cuda(
 # over this split's QUADS column groups, reading each split's normalised partial at the same shared address
 # (mapa) and weighting it by wts[split][head]; loads of BATCH pairs are issued before any is used.
 _DSMEM_MERGE = r"""
-__device__ __forceinline__ float djax_dsmem_f32(const float* local, int rank) {
-  uint32_t remote, at = (uint32_t)__cvta_generic_to_shared(local);
-  float v;
-  asm volatile("mapa.shared::cluster.u32 %0, %1, %2;" : "=r"(remote) : "r"(at), "r"(rank));
-  asm volatile("ld.shared::cluster.f32 %0, [%1];" : "=f"(v) : "r"(remote) : "memory");
-  return v;
-}
-
 template <int KH>
 __device__ __forceinline__ void djax_stage(void* ring, int hh, int d, float v) {
   reinterpret_cast<float*>(ring)[hh * KH + (d ^ ((hh & 3) << 3))] = v;
@@ -741,7 +720,7 @@ __device__ __forceinline__ void djax_dsmem_merge(const bfloat16_t* out_ro, int o
   float* mine_r = reinterpret_cast<float*>(ring_r);
   constexpr int ITEMS = H / 2 * QUADS;
   constexpr int ITERS = (ITEMS + 127) / 128;
-  constexpr int BATCH = NSPLIT >= 16 ? 1 : 16 / NSPLIT;  // 16 float4 loads in flight a thread
+  constexpr int BATCH = NSPLIT >= 8 ? 1 : 8 / NSPLIT;
 #pragma unroll
   for (int it0 = 0; it0 < ITERS; it0 += BATCH) {
     float4 v[BATCH][NSPLIT];
@@ -872,9 +851,9 @@ def sparse_decode_tilelang(
     if tiling.nsplit == 1:
         return cubin.launch(kern.cubin, kern.grid, args, jax.ShapeDtypeStruct(q.shape, q.dtype))
     if tiling.merge:  # the partials (and log-sum-exps) are scratch: the kernel has merged them into out
-        results = [jax.ShapeDtypeStruct(q.shape, q.dtype)]
-        if not tiling.dsmem:  # with dsmem, partials and log-sum-exps stay in shared memory
-            results += split_results(q.shape, tiling.nsplit)
+        results = [jax.ShapeDtypeStruct(q.shape, q.dtype), *split_results(q.shape, tiling.nsplit)]
+        if tiling.dsmem:  # the partials stayed in shared memory
+            del results[1]
         return cubin.launch(kern.cubin, kern.grid, args, results)[0]
     part, lse = cubin.launch(kern.cubin, kern.grid, args, split_results(q.shape, tiling.nsplit))
     return combine_splits(part, lse).astype(q.dtype)
