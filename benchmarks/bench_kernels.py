@@ -1,6 +1,6 @@
 """Times each djax kernel against XLA's lowering of its jnp reference: time, TFLOP/s, GB/s, roofline ratio.
 
-python benchmarks/bench_kernels.py [--out DIR] [--small] [--only attn,index,topk,moe,fp8]
+python benchmarks/bench_kernels.py [--out DIR] [--small] [--only attn,index,topk,moe,fp8,attn_blocks]
 (on a CUDA GPU; writes kernels_<device>.json and .png; the MoE and FP8 cases are in bench_moe.py)
 
 Each fast output is checked against the reference first (rel_err). Times are device time per call (the
@@ -105,6 +105,11 @@ def measure_ceilings():
     a = jax.random.normal(jax.random.key(0), (8192, 8192), BF16)
     t = bench(lambda p, q: p @ q, [(a, a)], reps=5)
     return bw, 2 * 8192**3 / t
+
+
+def attn_cost(b, h, k, w, t):
+    """FLOPs (Q K^T and P K over every key) and the bytes that must move (keys, q, out, slots)."""
+    return 4 * b * h * (w + t) * k, 2 * b * (w + t) * k + 2 * 2 * b * h * k + 4 * b * (w + t)
 
 
 def attn_sets(n_sets, b, h, k, w, c, t, seed=0):
@@ -249,8 +254,7 @@ def run(
         scale = k**-0.5
         for b in attn_batches:
             sets = attn_sets(24 if b == 64 else 32, b, h, k, w, c, t)
-            flops = 4 * b * h * (w + t) * k
-            nbytes = 2 * b * (w + t) * k + 2 * 2 * b * h * k + 4 * b * (w + t)
+            flops, nbytes = attn_cost(b, h, k, w, t)
             shape = f"b{b} h{h} k{k} W{w} top{t} of {c}"
             check = (lambda *a: sparse_decode(*a, scale=scale, impl="ref"), lambda out: out)
             tr = record(
@@ -325,6 +329,43 @@ def run(
             )
             if b == 64 and not small and attn_sweep:
                 attn_ceilings(record, sets, scale, flops, nbytes, shape, tr, check)
+
+    if "attn_blocks" in only:
+        # (a') where the sparse decode's time goes at b 64: the default tiling over 1 to 5 key blocks per split
+        # (the slope is a block's cost with the grid resident, the intercept what does not depend on the keys),
+        # then, at one block per split, the ways a split can end, side by side
+        b, h, k, c = (64, 64, 512, 2048) if not small else (2, 16, 64, 64)
+        scale = k**-0.5
+        pairs = (
+            [(64, 64), (128, 128), (128, 256), (128, 384), (128, 512)] if not small else [(16, 16), (16, 48)]
+        )
+        endings = {
+            "2 splits merged through global memory": dict(num_warps=12, nsplit=2, merge_splits=True),
+            "2 splits merged after": dict(num_warps=12, nsplit=2),
+            "one CTA per row": dict(num_warps=12, nsplit=1),
+        }
+        for i, (w, t) in enumerate(pairs):
+            sets = attn_sets(24, b, h, k, w, c, t)
+            flops, nbytes = attn_cost(b, h, k, w, t)
+            shape = f"b{b} h{h} k{k} W{w} top{t} of {c}"
+            check = (lambda *a: sparse_decode(*a, scale=scale, impl="ref"), lambda out: out)
+            auto = lambda *a: sparse_decode(*a, scale=scale)  # noqa: E731
+            record(
+                "sparse_decode", shape, "auto (the default tiling)", auto, sets, flops, nbytes, None, check
+            )
+            for name, kw in endings.items() if i == 0 and not small else ():
+                fn = lambda *a, kw=kw: sparse_decode(*a, scale=scale, impl="tilelang", **kw)  # noqa: E731
+                record(
+                    "sparse_decode",
+                    shape,
+                    f"tilelang bs64 st2 w12: {name}",
+                    fn,
+                    sets,
+                    flops,
+                    nbytes,
+                    None,
+                    check,
+                )
 
     if "index" in only:
         save()
@@ -499,7 +540,8 @@ if __name__ == "__main__":
     ap.add_argument(
         "--only",
         default="attn,index,topk,moe,fp8",
-        help="comma list of sections: attn (sparse decode attention), index (indexer scores + top-k), topk, moe, fp8",
+        help="comma list of sections: attn (sparse decode attention), index (indexer scores + top-k), topk, moe, "
+        "fp8, attn_blocks (not in the default: the sparse decode at b 64 over 1 to 5 key blocks per split)",
     )
     args = ap.parse_args()
     run(
