@@ -505,6 +505,26 @@ def ws_program(b: int, h: int, k: int, w: int, c: int, t: int, scale: float, til
                     out[bx, by * HEADS + hh, d + v] = T.cast(acc4[v], bf16)
 
     @T.macro
+    def end_half(out, part, bx, by, bz, d0, acc, ring, inv):
+        """A consumer warpgroup's value columns [d0, d0 + k/2) once the loop is done: staged in its ring
+        buffer (dsmem), else to the output (one split) or this split's partial."""
+        if dsmem:
+            stage_partial(ring, acc, inv)
+        else:
+            finish(out if nsplit == 1 else part, bx, by, None if nsplit == 1 else bz, d0, acc, inv)
+
+    @T.macro
+    def merge_heads(out, part, ring_l, ring_r, wts, bx, by, bz, h0, tid):
+        """A consumer warpgroup's 32 heads of the merge, once the weights are in `wts`; with dsmem, then
+        the cluster barrier that keeps this split's shared memory until every split has read it."""
+        if dsmem:
+            dsmem_merge(out, ring_l, ring_r, wts, bx, by, bz, h0, tid)
+            T.cluster_arrive()
+            T.cluster_wait()
+        else:
+            merge_slice(out, part, wts, bx, by, bz, h0, tid)
+
+    @T.macro
     def body(bx, by, bz, lo, n, first, q, win, valid, pool, topk, sinks, out, part, lse):
         q_l = T.alloc_shared((HEADS, kh), bf16)
         q_r = T.alloc_shared((HEADS, kh), bf16)
@@ -605,10 +625,7 @@ def ws_program(b: int, h: int, k: int, w: int, c: int, t: int, scale: float, til
             reciprocal(l, inv)
             T.copy(inv, inv_s)
             T.barrier_arrive(l_ready)
-            if dsmem:
-                stage_partial(k_l, acc_l, inv)
-            else:
-                finish(out if nsplit == 1 else part, bx, by, None if nsplit == 1 else bz, 0, acc_l, inv)
+            end_half(out, part, bx, by, bz, 0, acc_l, k_l, inv)
             if nsplit > 1:
                 # With merge, a launch without the cluster would let a split read the others' partials
                 # before they are written: the rank check makes that NaN, not a plausible wrong answer.
@@ -635,12 +652,7 @@ def ws_program(b: int, h: int, k: int, w: int, c: int, t: int, scale: float, til
                         wts[j, tx] = T.exp2(lse[bx, j, by * HEADS + tx] - top) / tot
                 T.barrier_arrive(w_ready)
                 T.barrier_wait(w_ready, 0)
-                if dsmem:
-                    dsmem_merge(out, k_l, k_r, wts, bx, by, bz, 0, tx)
-                    T.cluster_arrive()  # no split exits while another may still read its shared memory
-                    T.cluster_wait()
-                else:
-                    merge_slice(out, part, wts, bx, by, bz, 0, tx)
+                merge_heads(out, part, k_l, k_r, wts, bx, by, bz, 0, tx)
         else:
             T.set_max_nreg(168, 1)
             T.clear(acc_r)
@@ -653,20 +665,12 @@ def ws_program(b: int, h: int, k: int, w: int, c: int, t: int, scale: float, til
                 T.barrier_arrive(p_free)
                 T.barrier_arrive(free[st])
             T.barrier_wait(l_ready, 0)
-            if dsmem:
-                stage_partial(k_r, acc_r, inv_s)
-            else:
-                finish(out if nsplit == 1 else part, bx, by, None if nsplit == 1 else bz, kh, acc_r, inv_s)
+            end_half(out, part, bx, by, bz, kh, acc_r, k_r, inv_s)
             if merge:
                 T.cluster_arrive()
                 T.cluster_wait()
                 T.barrier_wait(w_ready, 0)
-                if dsmem:
-                    dsmem_merge(out, k_l, k_r, wts, bx, by, bz, HEADS // 2, tx - 128)
-                    T.cluster_arrive()
-                    T.cluster_wait()
-                else:
-                    merge_slice(out, part, wts, bx, by, bz, HEADS // 2, tx - 128)
+                merge_heads(out, part, k_l, k_r, wts, bx, by, bz, HEADS // 2, tx - 128)
 
     @T.macro
     def plain(bx, by, q, win, valid, pool, topk, sinks, out):
