@@ -77,11 +77,7 @@ class WsTiling:
     k block's partial in 128-column slices (one wgmma chain and promotion per slice) so that partial (64 regs)
     and promoted accumulator (64 per slice) fit under setmaxnreg's 240. `smem_scales` loads the CTA's activation
     and weight scales for its whole k range into shared memory (TMA, once) instead of from global memory in
-    every k block, taking their latency off the consumers' per-block critical path.
-
-    `persistent` (128x256 only): one CTA per SM walks the output tiles (`persistent_program`), so the
-    producer loads the next tile's first k blocks while the consumers finish and store this one; tiles are
-    visited in groups of `panel` tile rows (L2 reuse)."""
+    every k block, taking their latency off the consumers' per-block critical path."""
 
     block_m: int
     block_n: int
@@ -90,7 +86,6 @@ class WsTiling:
     split_k: int = 1
     warpgroups: int = 0
     smem_scales: bool = False
-    persistent: bool = False
 
     @property
     def consumer_wgs(self) -> int:
@@ -115,7 +110,6 @@ class WsTiling:
     def name(self) -> str:
         tail = (f"_p{self.panel}" if self.panel else "") + (f"_k{self.split_k}" if self.split_k > 1 else "")
         tail += (f"_w{self.warpgroups}" if self.warpgroups else "") + ("_ss" if self.smem_scales else "")
-        tail += "_pers" if self.persistent else ""
         return f"ws{self.block_m}x{self.block_n}s{self.stages}{tail}"
 
 
@@ -167,8 +161,6 @@ WS_VARIANTS = {  # tilings worth timing (measured best first, then the newer one
         WsTiling(128, 256, 3, 8, smem_scales=True),
         WsTiling(128, 256, 4, 8, smem_scales=True),
         WsTiling(128, 128, 4, 8, smem_scales=True),
-        # persistent, hand-written warp specialisation: the next tile's loads overlap this one's epilogue
-        WsTiling(128, 256, 3, 8, persistent=True),
     ),
     "decode": (
         WsTiling(64, 32, 8),
@@ -240,16 +232,6 @@ def cuda_program(m: int, n: int, k: int, tiling: Tiling):
 
 def check_ws_tiling(m: int, n: int, k: int, tiling: WsTiling) -> None:
     check_shapes(m, n, k)
-    if tiling.persistent:
-        fixed = (tiling.block_m, tiling.block_n, tiling.split_k, tiling.warpgroups, tiling.smem_scales)
-        if fixed != (128, 256, 1, 0, False) or not 1 <= tiling.stages <= 4:
-            raise ValueError(
-                f"the persistent program is 128x256 tiles in 1-4 stages, no split_k, warpgroups or "
-                f"smem_scales: {tiling}"
-            )
-        if n % 256:
-            raise ValueError(f"block_n=256 does not divide n={n}")
-        return
     bm, bn, wgs = tiling.block_m, tiling.block_n, tiling.consumer_wgs
     if bm not in (64, 128) or not (bn == 2 * BLOCK or (BLOCK % bn == 0 and bn % 16 == 0)):
         raise ValueError(
@@ -277,8 +259,6 @@ def ws_program(m: int, n: int, k: int, tiling: WsTiling):
     import tilelang.language as T
 
     check_ws_tiling(m, n, k, tiling)
-    if tiling.persistent:
-        return persistent_program(m, n, k, tiling)
     bm, bn, split = tiling.block_m, tiling.block_n, tiling.split_k
     kb = k // BLOCK
     kps = kb // split  # k blocks per split
@@ -364,143 +344,6 @@ def ws_program(m: int, n: int, k: int, tiling: WsTiling):
                 T.copy(c_s, C[by * bm, bx * bn])
                 if sliced:
                     T.copy(c1_s, C[by * bm, bx * bn + sw])
-
-    return fp8_gemm
-
-
-def persistent_tiles(m: int, n: int, panel: int) -> tuple[int, int, int]:
-    """(tiles, CTAs, tiles per CTA at most) of the persistent program: 128x256 output tiles, one CTA per SM
-    (fewer when there are fewer tiles); CTA c takes tiles c, c + CTAs, c + 2 CTAs, ..."""
-    tiles = -(-m // 128) * (n // 256)
-    ctas = min(tiles, H200_SMS)
-    return tiles, ctas, -(-tiles // ctas)
-
-
-def persistent_program(m: int, n: int, k: int, tiling: WsTiling, store: str = "tma"):
-    """The 128x256 "ws" GEMM as a persistent kernel with hand-written warp specialisation (`ws_program` leaves
-    both to TileLang, which ends every CTA after one tile, so each tile's first loads wait on an empty ring and
-    its epilogue leaves the tensor cores idle). Here one CTA per SM walks its tiles (`persistent_tiles`):
-    - producer warpgroup (threads 256-383): per k block, TMA loads of the tile's two 64-row halves of A and two
-      128-row slices of B into a `stages`-deep ring; `full[s]` completes when the bytes land (one elected
-      thread sets the transaction count, all 128 arrive), `empty[s]` when both consumers are done with the
-      buffer. The ring runs on across tiles: the next tile's first k blocks load during this tile's epilogue.
-    - consumer warpgroup c (threads 128c .. 128c + 127): rows 64c .. 64c + 63 of the tile, its 256 columns as
-      two 128-column wgmma chains per k block with DeepGEMM's promotion (partial x activation scale x weight
-      scale into an f32 accumulator per slice); A and each B slice have their own full/empty barriers, so
-      the first chain starts before the second slice lands and its slice is refilled sooner. The bf16 tile
-      goes out through shared memory by TMA (`store="tma"`, 3 stages at most: the ring and the 64 KB of
-      staging fill the 227 KB) or by stores straight from registers (`store="direct"`).
-    Tile t of the (tiles_m x tiles_n) grid is visited in groups of `panel` tile rows, row fastest, so the
-    CTAs in flight share A rows and B columns in L2."""
-    import tilelang.language as T
-
-    if store not in ("tma", "direct") or (store == "tma" and tiling.stages > 3):
-        raise ValueError(f"store must be 'tma' (stages <= 3) or 'direct', got {store!r} with {tiling}")
-    kb = k // BLOCK
-    ns = tiling.stages
-    tiles_m, tiles_n = -(-m // 128), n // 256
-    tiles, ctas, per_cta = persistent_tiles(m, n, tiling.panel)
-    panel = tiling.panel or tiles_m
-    group = panel * tiles_n  # tiles per group of `panel` tile rows
-    fp8, f32 = "float8_e4m3fn", "float32"
-
-    def tile_of(t):
-        """(tile row, tile column) of the t-th tile in visiting order."""
-        first = (t // group) * panel
-        rows = T.min(tiles_m - first, panel)
-        return first + (t % group) % rows, (t % group) // rows
-
-    @T.macro
-    def produce(A, B, a0, a1, b0, b1, fa, ea, f0, e0, f1, e1, bx):
-        for it in T.serial(per_cta):
-            if bx + it * ctas < tiles:
-                tm, tn = tile_of(bx + it * ctas)
-                for j in T.serial(kb):
-                    g = it * kb + j  # the ring's step count runs on across tiles
-                    st, phase = g % ns, ((g // ns) & 1) ^ 1
-                    k0, m0, n0 = j * BLOCK, tm * 128, tn * 256
-                    T.barrier_wait(ea[st], phase)
-                    T.tma_copy(A[m0 : m0 + 64, k0 : k0 + BLOCK], a0[st, :, :], barrier=fa[st])
-                    T.tma_copy(A[m0 + 64 : m0 + 128, k0 : k0 + BLOCK], a1[st, :, :], barrier=fa[st])
-                    T.barrier_arrive(fa[st])
-                    T.barrier_wait(e0[st], phase)
-                    T.tma_copy(B[n0 : n0 + 128, k0 : k0 + BLOCK], b0[st, :, :], barrier=f0[st])
-                    T.barrier_arrive(f0[st])
-                    T.barrier_wait(e1[st], phase)
-                    T.tma_copy(B[n0 + 128 : n0 + 256, k0 : k0 + BLOCK], b1[st, :, :], barrier=f1[st])
-                    T.barrier_arrive(f1[st])
-
-    @T.macro
-    def consume(AS, BS, C, a_s, b0, b1, fa, ea, f0, e0, f1, e1, c_w, bx, row0, part, acc0, acc1, sa, s0, s1):
-        for it in T.serial(per_cta):
-            if bx + it * ctas < tiles:
-                tm, tn = tile_of(bx + it * ctas)
-                T.clear(acc0)
-                T.clear(acc1)
-                for j in T.serial(kb):
-                    g = it * kb + j
-                    st, phase = g % ns, (g // ns) & 1
-                    # the scales before the wait, so their latency hides under it; rows past m read as 0
-                    for r in T.Parallel(64):
-                        sa[r] = AS[tm * 128 + row0 + r, j]
-                    for r in T.Parallel(64):
-                        s0[r] = sa[r] * BS[tn * 2, j]
-                    for r in T.Parallel(64):
-                        s1[r] = sa[r] * BS[tn * 2 + 1, j]
-                    T.barrier_wait(fa[st], phase)
-                    T.barrier_wait(f0[st], phase)
-                    T.gemm(a_s[st, :, :], b0[st, :, :], part, transpose_B=True, clear_accum=True)
-                    T.barrier_arrive(e0[st])  # B's first slice is free once its wgmma chain is done
-                    for r, c in T.Parallel(64, 128):
-                        acc0[r, c] += part[r, c] * s0[r]
-                    T.barrier_wait(f1[st], phase)
-                    T.gemm(a_s[st, :, :], b1[st, :, :], part, transpose_B=True, clear_accum=True)
-                    T.barrier_arrive(ea[st])
-                    T.barrier_arrive(e1[st])
-                    for r, c in T.Parallel(64, 128):
-                        acc1[r, c] += part[r, c] * s1[r]
-                if store == "tma":
-                    T.copy(acc0, c_w[:, 0:BLOCK])
-                    T.copy(acc1, c_w[:, BLOCK : 2 * BLOCK])
-                    T.copy(c_w, C[tm * 128 + row0, tn * 256])
-                else:
-                    T.copy(acc0, C[tm * 128 + row0, tn * 256])
-                    T.copy(acc1, C[tm * 128 + row0, tn * 256 + 128])
-
-    @T.prim_func
-    def fp8_gemm(
-        A: T.Tensor((m, k), fp8),
-        AS: T.Tensor((m, kb), f32),
-        B: T.Tensor((n, k), fp8),
-        BS: T.Tensor((n // BLOCK, kb), f32),
-        C: T.Tensor((m, n), "bfloat16"),
-    ):
-        with T.Kernel(ctas, threads=384) as bx:
-            a0 = T.alloc_shared((ns, 64, BLOCK), fp8)
-            a1 = T.alloc_shared((ns, 64, BLOCK), fp8)
-            b0 = T.alloc_shared((ns, BLOCK, BLOCK), fp8)
-            b1 = T.alloc_shared((ns, BLOCK, BLOCK), fp8)
-            c0 = T.alloc_shared((64, 2 * BLOCK), "bfloat16") if store == "tma" else None
-            c1 = T.alloc_shared((64, 2 * BLOCK), "bfloat16") if store == "tma" else None
-            # full: the producer's 128 threads arrive after one of them set the bytes to expect; empty: the
-            # consumers' 256 threads (A and B's second slice after both chains, B's first after the first)
-            fa, f0, f1 = (T.alloc_barrier([128] * ns) for _ in range(3))
-            ea, e0, e1 = (T.alloc_barrier([256] * ns) for _ in range(3))
-            # one set of registers per consumer warpgroup (each is laid out for its own 128 threads)
-            part0, acc00, acc01 = (T.alloc_fragment((64, BLOCK), f32) for _ in range(3))
-            part1, acc10, acc11 = (T.alloc_fragment((64, BLOCK), f32) for _ in range(3))
-            sa0, s00, s01, sa1, s10, s11 = (T.alloc_fragment((64,), f32) for _ in range(6))
-            bars = (fa, ea, f0, e0, f1, e1)
-            tx = T.get_thread_binding()
-            if tx >= 256:
-                T.set_max_nreg(40, 0)
-                produce(A, B, a0, a1, b0, b1, *bars, bx)
-            elif tx < 128:
-                T.set_max_nreg(232, 1)
-                consume(AS, BS, C, a0, b0, b1, *bars, c0, bx, 0, part0, acc00, acc01, sa0, s00, s01)
-            else:
-                T.set_max_nreg(232, 1)
-                consume(AS, BS, C, a1, b0, b1, *bars, c1, bx, 64, part1, acc10, acc11, sa1, s10, s11)
 
     return fp8_gemm
 

@@ -193,10 +193,7 @@ def test_ws_new_layouts_lower(tiling, m):
     n, k = 1024, 1024
     src, launch = lower_ws(m, n, k, tiling)
     assert launch["threads"] == tiling.consumer_threads + 128
-    if tiling.persistent:  # one CTA per tile here (fewer tiles than SMs)
-        assert launch["grid"] == (-(-m // 128) * (n // 256), 1, 1)
-    else:
-        assert launch["grid"] == (n // tiling.block_n, -(-m // tiling.block_m), tiling.split_k)
+    assert launch["grid"] == (n // tiling.block_n, -(-m // tiling.block_m), tiling.split_k)
     assert (
         launch["shared_bytes"]
         >= min(tiling.stages, 8 // tiling.split_k) * (tiling.block_m + tiling.block_n) * 128
@@ -211,8 +208,6 @@ def test_ws_new_layouts_lower(tiling, m):
         for line in src.splitlines():
             if "AS[" in line or "BS[" in line:
                 assert "tma_load" in line, line
-    elif tiling.persistent:
-        assert sorted(maps) == [0, 2, 4] and maps[0].box == (128, 64)  # A in two 64-row halves
     else:
         assert sorted(maps) == [0, 2, 4]
     assert maps[2].box == (128, tiling.block_n // tiling.slices)
@@ -234,14 +229,6 @@ def test_ws_tiling_validation_and_defaults():
         check_ws_tiling(64, 1024, 384, WsTiling(64, 128, 4, smem_scales=True))  # 3 k blocks: stride 12 bytes
     with pytest.raises(ValueError, match="block_n"):
         check_ws_tiling(64, 384, 1024, WsTiling(64, 256, 4, warpgroups=2))
-    for bad in (WsTiling(128, 128, 3, persistent=True), WsTiling(128, 256, 5, persistent=True)):
-        with pytest.raises(ValueError, match="persistent"):  # 128x256 only; 5 stages overflow shared memory
-            check_ws_tiling(4096, 4096, 4096, bad)
-    with pytest.raises(ValueError, match="persistent"):
-        check_ws_tiling(4096, 4096, 4096, WsTiling(128, 256, 4, split_k=2, persistent=True))
-    with pytest.raises(ValueError, match="block_n=256"):
-        check_ws_tiling(4096, 384, 4096, WsTiling(128, 256, 4, persistent=True))
-    assert WsTiling(128, 256, 4, 8, persistent=True).name == "ws128x256s4_p8_pers"
     assert WsTiling(128, 256, 3).slices == 2 and WsTiling(64, 256, 3, warpgroups=2).slices == 1
     assert WsTiling(64, 256, 5, split_k=2, warpgroups=2, smem_scales=True).name == "ws64x256s5_k2_w2_ss"
     for (regime, n, k), t in MEASURED_WS_BEST.items():
@@ -259,7 +246,7 @@ def test_ws_tiling_validation_and_defaults():
 # nvcc takes seconds per kernel: one per new layout (128-column slices + shared-memory scales; 2 warpgroups)
 @pytest.mark.parametrize(
     "tiling",
-    [t for t in NEW_WS if t.name in ("ws128x256s3_p8_ss", "ws64x256s5_k2_w2_ss", "ws128x256s3_p8_pers")],
+    [t for t in NEW_WS if t.name in ("ws128x256s3_p8_ss", "ws64x256s5_k2_w2_ss")],
     ids=lambda t: t.name,
 )
 def test_ws_new_cubins_for_sm90_without_a_gpu(tmp_path, monkeypatch, tiling):
@@ -318,7 +305,7 @@ BF16_OUT_RTOL = 4e-4 + 2.0**-9
 
 def _ws_cases():
     shapes = {
-        # 2100x4096: 272 tiles of 128x256, so each persistent CTA takes two or three, the last row partial
+        # 2100x4096: 272 tiles of 128x256, more than one wave of CTAs, the last tile row partial
         "prefill": [(200, 512, 1024), (512, 2048, 4096), (2100, 4096, 512)],
         "decode": [(64, 4096, 7168), (5, 1024, 512), (200, 1024, 1024)],
     }
