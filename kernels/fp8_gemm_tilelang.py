@@ -15,8 +15,10 @@ TMA loads of the fp8 tiles into a `stages`-deep ring, a producer warpgroup and o
 width, the scales for the k block loaded before its wgmmas (their latency hides under the MMA), a TMA store of
 the bf16 tile, an optional rasterised block order (L2 reuse at prefill) and an optional split of k (decode:
 f32 partials summed by XLA). Newer `WsTiling` options: 128x256 tiles (each warpgroup's 64x256 computed per k
-block in two 128-column slices), two consumer warpgroups side by side at decode, and the CTA's scales loaded
-once into shared memory by TMA (`smem_scales`). Its kernel takes `CUtensorMap` descriptors, so it is launched by
+block in two 128-column slices), two consumer warpgroups side by side at decode, the CTA's scales loaded
+once into shared memory by TMA (`smem_scales`), and at decode consumer warpgroups taking turns over the k
+blocks with the k splits summed in a thread-block cluster (`k_groups`, the program in
+`fp8_decode_tilelang.py`). Its kernel takes `CUtensorMap` descriptors, so it is launched by
 `ffi/csrc/tma_launch.cc` (`djax.ffi.tma`), which encodes them per call from XLA's buffer addresses.
 
 Compiling needs TileLang 0.1.15 and, for the cubin, nvcc (13.0 here and on the H200 image), not a GPU.
@@ -77,7 +79,11 @@ class WsTiling:
     k block's partial in 128-column slices (one wgmma chain and promotion per slice) so that partial (64 regs)
     and promoted accumulator (64 per slice) fit under setmaxnreg's 240. `smem_scales` loads the CTA's activation
     and weight scales for its whole k range into shared memory (TMA, once) instead of from global memory in
-    every k block, taking their latency off the consumers' per-block critical path."""
+    every k block, taking their latency off the consumers' per-block critical path.
+
+    `k_groups` > 1 (decode, block_m 64): that many consumer warpgroups take turns over the k blocks and sum
+    their accumulators at the end, and the `split_k` splits of a tile sum theirs inside one thread-block
+    cluster, so the result is bf16 from the one kernel (`fp8_decode_tilelang`)."""
 
     block_m: int
     block_n: int
@@ -86,9 +92,12 @@ class WsTiling:
     split_k: int = 1
     warpgroups: int = 0
     smem_scales: bool = False
+    k_groups: int = 1
 
     @property
     def consumer_wgs(self) -> int:
+        if self.k_groups > 1:
+            return self.k_groups
         return self.warpgroups or self.block_m // 64
 
     @property
@@ -110,18 +119,22 @@ class WsTiling:
     def name(self) -> str:
         tail = (f"_p{self.panel}" if self.panel else "") + (f"_k{self.split_k}" if self.split_k > 1 else "")
         tail += (f"_w{self.warpgroups}" if self.warpgroups else "") + ("_ss" if self.smem_scales else "")
+        tail += f"_g{self.k_groups}" if self.k_groups > 1 else ""
         return f"ws{self.block_m}x{self.block_n}s{self.stages}{tail}"
 
 
 # Best "ws" tiling measured on an H200 per (regime, n, k) (bench_tilelang.py, device time; regime: m <= 64 is
-# decode): decode from benchmarks/results/tilelang_fp8_gemm_h200_decode.json, prefill from
-# tilelang_fp8_gemm_h200_prefill.json (one run each). Neighbours within about 1% are within a run's noise: at
-# prefill the same tiles with shared-memory scales took 337.4 us (7168) and 125.1 us (4096).
+# decode): decode from benchmarks/results/tilelang_fp8_gemm_h200_decode.json (n 4096, k 7168 from
+# tilelang_fp8_gemm_h200_decode_kgroups.json), prefill from tilelang_fp8_gemm_h200_prefill.json (one run
+# each). Neighbours within about 1% are within a run's noise: at prefill the same tiles with shared-memory
+# scales took 337.4 us (7168) and 125.1 us (4096).
 MEASURED_WS_BEST = {
     ("prefill", 7168, 7168): WsTiling(128, 256, 3, panel=8),  # 340.1 us at m=4096 (1238 TFLOP/s, 62.5%)
     ("prefill", 4096, 4096): WsTiling(128, 256, 3, panel=8),  # 117.5 us at m=4096 (1169 TFLOP/s, 59.1%)
     ("decode", 16384, 7168): WsTiling(64, 128, 8, smem_scales=True),  # 32.2 us
-    ("decode", 4096, 7168): WsTiling(64, 64, 8, split_k=2, smem_scales=True),  # 12.8 us
+    # two consumer warpgroups over k, the 2 splits summed in their cluster: 11.99 us against 12.82 for the
+    # former best (64x64, split 2, scales in shared memory, XLA's sum after) in the same run
+    ("decode", 4096, 7168): WsTiling(64, 64, 8, split_k=2, k_groups=2),
     ("decode", 4096, 4096): WsTiling(64, 64, 6, split_k=2),  # 8.75 us
     ("decode", 7168, 4096): WsTiling(64, 128, 8, smem_scales=True),  # 13.9 us
 }
@@ -172,6 +185,11 @@ WS_VARIANTS = {  # tilings worth timing (measured best first, then the newer one
         WsTiling(64, 64, 8, split_k=2, smem_scales=True),
         # two consumer warpgroups side by side (64x128 each): twice the MMA + promotion throughput per CTA
         WsTiling(64, 256, 5, split_k=2, warpgroups=2, smem_scales=True),
+        # consumer warpgroups taking turns over the k blocks; the splits of a tile sum in their cluster
+        WsTiling(64, 64, 8, split_k=2, k_groups=2),
+        WsTiling(64, 64, 8, split_k=2, k_groups=4),
+        WsTiling(64, 32, 8, k_groups=4),
+        WsTiling(64, 128, 6, k_groups=2),
     ),
 }
 
@@ -232,6 +250,34 @@ def cuda_program(m: int, n: int, k: int, tiling: Tiling):
 
 def check_ws_tiling(m: int, n: int, k: int, tiling: WsTiling) -> None:
     check_shapes(m, n, k)
+    if tiling.k_groups > 1:
+        t = tiling
+        if m > 64 or t.block_m != 64 or t.block_n not in (32, 64, 128) or t.warpgroups or t.smem_scales:
+            raise ValueError(
+                f"k_groups needs m <= 64, block_m 64, block_n 32, 64 or 128 and no other options: {t}"
+            )
+        if not 2 <= t.k_groups <= 4 or t.split_k not in (1, 2, 4):
+            raise ValueError(f"k_groups must be 2-4 and split_k 1, 2 or 4 (a cluster): {t}")
+        if t.stages % t.k_groups:
+            # every ring buffer must belong to one group: a group waiting on a buffer's next phase while
+            # another group's phase of it is still pending would pass the parity wait at once (H200: a
+            # 7-stage ring of two groups read unfinished buffers and ended in a launch failure)
+            raise ValueError(f"stages must be a multiple of k_groups: {t}")
+        if n % t.block_n or (k // BLOCK) % t.split_k:
+            raise ValueError(f"{t} does not tile n={n}, k={k}")
+        from djax.kernels.fp8_decode_tilelang import consumer_registers
+
+        if t.block_n + 40 > consumer_registers(t.k_groups):  # accumulator + partial, 64 x block_n f32 each
+            raise ValueError(f"{t}: a consumer's registers do not hold two 64x{t.block_n} f32 tiles")
+        ring = t.stages * (64 + t.block_n) * BLOCK
+        sums = 4 * 64 * t.block_n * (t.k_groups - (t.split_k == 1))  # other groups' sums, the split's
+        scales = 4 * 65 * t.k_groups * -(-(k // BLOCK // t.split_k) // t.k_groups)
+        need = ring + sums + scales
+        if need > 227 * 1024:
+            raise ValueError(
+                f"{t} needs {need} bytes of shared memory at k={k}, over the 227 KB a CTA may have"
+            )
+        return
     bm, bn, wgs = tiling.block_m, tiling.block_n, tiling.consumer_wgs
     if bm not in (64, 128) or not (bn == 2 * BLOCK or (BLOCK % bn == 0 and bn % 16 == 0)):
         raise ValueError(
@@ -259,6 +305,10 @@ def ws_program(m: int, n: int, k: int, tiling: WsTiling):
     import tilelang.language as T
 
     check_ws_tiling(m, n, k, tiling)
+    if tiling.k_groups > 1:
+        from djax.kernels.fp8_decode_tilelang import decode_program
+
+        return decode_program(m, n, k, tiling)
     bm, bn, split = tiling.block_m, tiling.block_n, tiling.split_k
     kb = k // BLOCK
     kps = kb // split  # k blocks per split
@@ -496,7 +546,12 @@ def lower_ws(m: int, n: int, k: int, tiling: WsTiling | None = None) -> tuple[st
     art = _lower(ws_program(m, n, k, tiling), {"kind": "cuda", "arch": _ARCH}, _WS_PASS_CONFIG)
     fn, launch = _one_kernel(art)
     (host_fn,) = art.host_mod.functions.values()
-    return art.kernel_source, {**launch, "params": params_from_tilelang(fn, host_fn, _PARAMS)}
+    source = art.kernel_source
+    if tiling.k_groups > 1 and tiling.split_k > 1:
+        from djax.kernels.fp8_decode_tilelang import with_cluster_sum
+
+        source = with_cluster_sum(source, launch["name"], tiling.split_k)
+    return source, {**launch, "params": params_from_tilelang(fn, host_fn, _PARAMS)}
 
 
 def _nvcc() -> str:
@@ -556,13 +611,22 @@ def cuda_kernel(m: int, n: int, k: int, tiling: Tiling | None = None) -> CudaKer
     return CudaKernel(cub, launch["grid"], launch["params"], source)
 
 
+def ws_sources(tiling: WsTiling) -> tuple[str, ...]:
+    """The modules whose text the "ws" lowering of `tiling` depends on (part of its disk cache key)."""
+    if tiling.k_groups == 1:
+        return (__file__,)
+    from djax.kernels import fp8_decode_tilelang, sparse_attn_tilelang  # the program, its cluster code
+
+    return (__file__, fp8_decode_tilelang.__file__, sparse_attn_tilelang.__file__)
+
+
 @functools.cache
 def ws_kernel(m: int, n: int, k: int, tiling: WsTiling | None = None):
     """Lowers and compiles (no GPU needed) the TMA + warp-specialised variant: a `djax.ffi.tma.TmaKernel`."""
     from djax.ffi.tma import TmaKernel
 
     tiling = tiling or default_ws_tiling(m, n, k)
-    source, launch = lowered_on_disk("fp8_gemm_ws", (m, n, k, tiling), lower_ws, (__file__,))
+    source, launch = lowered_on_disk("fp8_gemm_ws", (m, n, k, tiling), lower_ws, ws_sources(tiling))
     binary = nvcc_cubin(source)
     key = "tlws-" + hashlib.sha256(binary).hexdigest()[:24]
     return TmaKernel(
@@ -616,8 +680,9 @@ def fp8_gemm_tilelang(
         if tiling is not None and not isinstance(tiling, WsTiling):
             raise TypeError(f"variant 'ws' takes a WsTiling, got {tiling!r}")
         kern = ws_kernel(m, n, k, tiling)
-        split = (tiling or default_ws_tiling(m, n, k)).split_k
-        if split == 1:
+        t = tiling or default_ws_tiling(m, n, k)
+        split = t.split_k
+        if split == 1 or t.k_groups > 1:  # k_groups: the splits sum in the kernel
             return tma.launch(kern, args, jax.ShapeDtypeStruct((m, n), jnp.bfloat16))
         part = tma.launch(kern, args, jax.ShapeDtypeStruct((split, m, n), jnp.float32))
         return part.sum(0).astype(jnp.bfloat16)

@@ -698,7 +698,7 @@ def lower_cuda(
     )
     source, launch = pointer_kernel(art, _OPERANDS + _RESULTS[kind])
     if tiling.merge:
-        source = _with_cluster(source, launch["name"], (1, 1, tiling.nsplit))
+        source = with_cluster(source, launch["name"], (1, 1, tiling.nsplit))
     if tiling.dsmem:
         source = _with_dsmem_merge(source)
     return source, launch
@@ -772,7 +772,7 @@ def _with_dsmem_merge(source: str) -> str:
     return source[:at] + _DSMEM_MERGE + "\n" + source[at:]
 
 
-def _with_cluster(source: str, name: str, dims: tuple[int, int, int]) -> str:
+def with_cluster(source: str, name: str, dims: tuple[int, int, int]) -> str:
     """Declares the kernel's thread-block cluster shape in its source (`__cluster_dims__`): a compile-time
     cluster needs no launch attribute, so the plain cuLaunchKernel of the FFI launcher runs it clustered.
     (TileLang's own cluster launch goes through cudaLaunchKernelEx instead.)"""

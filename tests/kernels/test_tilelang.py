@@ -218,6 +218,40 @@ def test_ws_new_layouts_lower(tiling, m):
     assert tma.check(kern, _sizes(m, n, k, tiling.split_k)) == 5
 
 
+K_GROUPS = [t for t in WS_VARIANTS["decode"] if t.k_groups > 1]
+
+
+@needs_tilelang
+@needs_cuda_h
+@pytest.mark.parametrize("tiling", K_GROUPS, ids=lambda t: t.name)
+@pytest.mark.parametrize("m", [64, 5])
+def test_ws_k_groups_lower(tiling, m):
+    """No GPU needed: the decode program with k_groups consumer warpgroups taking turns over the k blocks lowers
+    to one producer plus k_groups consumer warpgroups with no CTA-wide barrier after the roles split (one would
+    deadlock the producer against its ring); a split tile is one cluster of split_k CTAs (declared in the source)
+    whose sum is written as bf16 by `djax_cluster_sum`, so the result is a plain pointer of m x n bf16; A and B
+    come by TMA, and the C++ checker accepts the launch plan over buffers of the right sizes."""
+    from djax.ffi import tma
+    from djax.kernels.fp8_gemm_tilelang import lower_ws
+
+    n, k = 1024, 2048
+    src, launch = lower_ws(m, n, k, tiling)
+    assert launch["threads"] == 128 * (tiling.k_groups + 1)
+    assert launch["grid"] == (n // tiling.block_n, 1, tiling.split_k)
+    assert src.count("__syncthreads()") == 1  # after the barriers' init, before the roles split
+    clustered = tiling.split_k > 1
+    assert (f"__cluster_dims__(1, 1, {tiling.split_k})" in src) == clustered
+    assert (f"djax_cluster_sum<{tiling.split_k}, {tiling.block_n}>(C," in src) == clustered
+    assert src.count("warpgroup_reg_alloc") == tiling.k_groups
+    maps = {p.buffer: p for p in launch["params"] if isinstance(p, tma.TensorMap)}
+    assert sorted(maps) == [0, 2] and 4 in launch["params"]  # A, B by TMA; the bf16 result a pointer
+    assert maps[0].box == (128, 64) and maps[2].box == (128, tiling.block_n)
+    kern = tma.TmaKernel("x", launch["name"], b"", launch["grid"], launch["threads"], 0, launch["params"])
+    assert tma.check(kern, _sizes(m, n, k)) == 5
+    with pytest.raises(ValueError):
+        tma.check(kern, _sizes(m - 1 if m > 1 else 2, n, k))
+
+
 @needs_tilelang
 def test_ws_tiling_validation_and_defaults():
     from djax.kernels.fp8_gemm_tilelang import MEASURED_WS_BEST, WsTiling, check_ws_tiling, default_ws_tiling
@@ -229,6 +263,19 @@ def test_ws_tiling_validation_and_defaults():
         check_ws_tiling(64, 1024, 384, WsTiling(64, 128, 4, smem_scales=True))  # 3 k blocks: stride 12 bytes
     with pytest.raises(ValueError, match="block_n"):
         check_ws_tiling(64, 384, 1024, WsTiling(64, 256, 4, warpgroups=2))
+    for bad in (
+        WsTiling(64, 64, 8, k_groups=5),  # 2-4 consumer warpgroups
+        WsTiling(64, 64, 8, split_k=3, k_groups=2),  # a cluster of 1, 2 or 4
+        WsTiling(64, 128, 8, k_groups=4),  # 104 registers a consumer: not two 64x128 f32 tiles
+        WsTiling(64, 128, 8, k_groups=2),  # 192 KB of ring + 32 KB of sums + 14.6 KB of scales
+        WsTiling(64, 64, 8, k_groups=2, smem_scales=True),
+        WsTiling(64, 64, 6, k_groups=4),  # a ring buffer shared by two groups
+    ):
+        with pytest.raises(ValueError):
+            check_ws_tiling(64, 4096, 7168, bad)
+    with pytest.raises(ValueError, match="m <= 64"):
+        check_ws_tiling(65, 4096, 7168, WsTiling(64, 64, 8, k_groups=2))
+    assert WsTiling(64, 64, 8, split_k=2, k_groups=4).name == "ws64x64s8_k2_g4"
     assert WsTiling(128, 256, 3).slices == 2 and WsTiling(64, 256, 3, warpgroups=2).slices == 1
     assert WsTiling(64, 256, 5, split_k=2, warpgroups=2, smem_scales=True).name == "ws64x256s5_k2_w2_ss"
     for (regime, n, k), t in MEASURED_WS_BEST.items():
@@ -243,10 +290,15 @@ def test_ws_tiling_validation_and_defaults():
 @needs_tilelang
 @needs_nvcc
 @pytest.mark.slow
-# nvcc takes seconds per kernel: one per new layout (128-column slices + shared-memory scales; 2 warpgroups)
+# nvcc takes seconds per kernel: one per new layout (128-column slices + shared-memory scales; 2 warpgroups;
+# k groups summed in a cluster)
 @pytest.mark.parametrize(
     "tiling",
-    [t for t in NEW_WS if t.name in ("ws128x256s3_p8_ss", "ws64x256s5_k2_w2_ss")],
+    [
+        t
+        for t in NEW_WS + K_GROUPS
+        if t.name in ("ws128x256s3_p8_ss", "ws64x256s5_k2_w2_ss", "ws64x64s8_k2_g4")
+    ],
     ids=lambda t: t.name,
 )
 def test_ws_new_cubins_for_sm90_without_a_gpu(tmp_path, monkeypatch, tiling):

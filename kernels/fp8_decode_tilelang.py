@@ -1,0 +1,221 @@
+"""FP8 block-scaled GEMM for decode (m <= 64) with the k blocks dealt out to several consumer warpgroups.
+
+At decode the weights stream from memory once and each CTA's work is a chain of dependent k blocks (wait for
+the block, wgmma, wait for the wgmma, promote into the f32 accumulator). With one consumer warpgroup that
+chain, not the bytes in flight, sets the pace (NOTES.md). Here `k_groups` consumer warpgroups take turns
+over the CTA's k blocks (block j goes to warpgroup j mod k_groups), each into its own accumulator, so each
+chain is k_groups times shorter; the producer warpgroup keeps one TMA ring in block order for all of them.
+At the end the warpgroups sum their accumulators through shared memory. With `split_k` > 1 the splits of a
+column tile are one thread-block cluster: each split leaves its sum in shared memory, and after the cluster
+barrier every split adds up its share of the rows from all of them (distributed shared memory) and writes
+bf16. No partials leave the chip and no second kernel runs.
+
+TileLang writes the program (`decode_program`); the cluster shape and the cross-split sum are CUDA put into
+the lowered source (`with_cluster_sum`), as for the sparse decode's merge: TileLang 0.1.15 has no load from
+a peer's shared memory.
+"""
+
+_CLUSTER_SUM = r"""
+template <int SPLIT, int BN>
+__device__ __forceinline__ void djax_cluster_sum(const bfloat16_t* out_ro, int m, int n, int col0, const float* xfer,
+                                                 int rank, int tid) {
+  // TileLang declares the output const: this function is the only writer it does not see
+  bfloat16_t* out = const_cast<bfloat16_t*>(out_ro);
+  constexpr int ROWS = 64 / SPLIT;      // rows of the tile this split writes
+  constexpr int ITEMS = ROWS * BN / 4;  // 4-column groups
+  uint32_t base = (uint32_t)__cvta_generic_to_shared(xfer);
+#pragma unroll
+  for (int i = tid; i < ITEMS; i += 128) {
+    int r = rank * ROWS + i / (BN / 4), c = (i % (BN / 4)) * 4;
+    uint32_t local = base + (uint32_t)((r * BN + c) * 4);
+    float4 v[SPLIT];
+#pragma unroll
+    for (int j = 0; j < SPLIT; ++j) {
+      uint32_t remote;
+      asm volatile("mapa.shared::cluster.u32 %0, %1, %2;" : "=r"(remote) : "r"(local), "r"(j));
+      asm volatile("ld.shared::cluster.v4.f32 {%0, %1, %2, %3}, [%4];"
+                   : "=f"(v[j].x), "=f"(v[j].y), "=f"(v[j].z), "=f"(v[j].w) : "r"(remote) : "memory");
+    }
+    float4 a = v[0];
+#pragma unroll
+    for (int j = 1; j < SPLIT; ++j) {
+      a.x += v[j].x; a.y += v[j].y; a.z += v[j].z; a.w += v[j].w;
+    }
+    if (r < m) {
+      bfloat16_t o[4] = {bfloat16_t(a.x), bfloat16_t(a.y), bfloat16_t(a.z), bfloat16_t(a.w)};
+      *reinterpret_cast<uint2*>(out + (size_t)r * n + col0 + c) = *reinterpret_cast<const uint2*>(o);
+    }
+  }
+}
+"""
+
+
+def consumer_registers(k_groups: int) -> int:
+    """Registers a consumer thread may take (setmaxnreg) once the producer is down to 40. ptxas gives every
+    thread of a kernel with setmaxnreg the launch bound's share of the 64K (a multiple of 8), and an increase
+    past what the producer freed would wait forever."""
+    threads = 128 * (k_groups + 1)
+    launched = 65536 // threads // 8 * 8
+    return min(240, (launched * threads - 40 * 128) // (128 * k_groups) // 8 * 8)
+
+
+def decode_program(m: int, n: int, k: int, tiling):
+    """The TileLang program: out bf16[m, n] = a fp8[m, k] . b fp8[n, k]^T with DeepGEMM's scales (a_scale
+    f32[m, k/128] per row and k block, b_scale f32[n/128, k/128] per 128x128 block), m <= 64.
+
+    Grid (n / block_n, 1, split_k), 128 (k_groups + 1) threads:
+    - producer warpgroup (the last 128 threads): per k block of the split, TMA loads of A's 64 rows (rows
+      past m arrive as zeros) and B's block_n rows into a `stages`-deep ring; `full[s]` completes when the
+      bytes land, `empty[s]` when the warpgroup that took the block is done with it.
+    - consumer warpgroup g: k blocks g, g + k_groups, ... of the split, each one wgmma chain (64 x block_n
+      x 128) and its promotion (x activation scale x weight scale) into its own accumulator; then groups
+      1.. write theirs to shared memory and group 0 adds them up.
+    - with split_k > 1, group 0 writes the split's sum to `xfer`, every thread of the cluster meets at the
+      cluster barrier, group 0 of split z sums rows [64 z / split_k, 64 (z + 1) / split_k) over all splits
+      (`djax_cluster_sum`) and writes bf16; a second cluster barrier keeps every split's shared memory
+      alive until the others have read it."""
+    import tilelang.language as T
+
+    from djax.kernels.fp8_gemm_tilelang import BLOCK
+
+    bn, ns, split, kg = tiling.block_n, tiling.stages, tiling.split_k, tiling.k_groups
+    kb = k // BLOCK
+    kps = kb // split  # k blocks per split
+    turns = -(-kps // kg)  # k blocks per consumer warpgroup, at most
+    producer = 128 * kg  # first thread of the producer warpgroup
+    fp8, f32 = "float8_e4m3fn", "float32"
+    consumer_regs = consumer_registers(kg)
+
+    @T.macro
+    def produce(A, B, a_s, b_s, full, empty, bx, bz):
+        for j in T.serial(kps):
+            st = j % ns
+            T.barrier_wait(empty[st], ((j // ns) & 1) ^ 1)
+            k0 = (bz * kps + j) * BLOCK
+            T.tma_copy(A[0:64, k0 : k0 + BLOCK], a_s[st, :, :], barrier=full[st])
+            T.tma_copy(B[bx * bn : bx * bn + bn, k0 : k0 + BLOCK], b_s[st, :, :], barrier=full[st])
+            T.barrier_arrive(full[st])
+
+    @T.macro
+    def consume(AS, BS, a_s, b_s, sa, sb, full, empty, bx, bz, g, part, acc, scale):
+        # this group's scales, all loaded at once into shared memory (one round trip, not one per k block);
+        # rows past m read as 0, turns past the split's last block repeat its scales (never used)
+        for i, r in T.Parallel(turns, 64):
+            sa[g, i, r] = AS[r, bz * kps + T.min(i * kg + g, kps - 1)]
+        for i in T.Parallel(turns):
+            sb[g, i] = BS[bx * bn // BLOCK, bz * kps + T.min(i * kg + g, kps - 1)]
+        T.clear(acc)
+        for i in T.serial(turns):
+            j = i * kg + g
+            if j < kps:
+                st = j % ns
+                for r in T.Parallel(64):
+                    scale[r] = sa[g, i, r] * sb[g, i]
+                T.barrier_wait(full[st], (j // ns) & 1)
+                T.gemm(a_s[st, :, :], b_s[st, :, :], part, transpose_B=True, clear_accum=True)
+                T.barrier_arrive(empty[st])
+                for r, c in T.Parallel(64, bn):
+                    acc[r, c] += part[r, c] * scale[r]
+
+    @T.macro
+    def consumer(
+        AS, BS, C, a_s, b_s, sa, sb, sums, xfer, full, empty, summed, bx, bz, tx, g, part, acc, scale
+    ):
+        """Consumer warpgroup g: its k blocks, then its share of the sums and, for group 0, the store."""
+        T.set_max_nreg(consumer_regs, 1)
+        consume(AS, BS, a_s, b_s, sa, sb, full, empty, bx, bz, g, part, acc, scale)
+        if g > 0:
+            T.copy(acc, sums[g - 1, :, :])
+            T.barrier_arrive(summed)
+        else:
+            T.barrier_wait(summed, 0)
+            for r, c in T.Parallel(64, bn):
+                for h in T.unroll(kg - 1):
+                    acc[r, c] += sums[h, r, c]
+            if split == 1:
+                T.copy(acc, C[0, bx * bn])  # rows past m are not stored
+            else:
+                for r, c in T.Parallel(64, bn):
+                    xfer[r * bn + c] = acc[r, c]
+        if split > 1:
+            T.cluster_arrive()  # release: this split's sum, to the cluster
+            T.cluster_wait()  # acquire: every split's
+            if g == 0:
+                T.call_extern(
+                    "handle",
+                    f"djax_cluster_sum<{split}, {bn}>",
+                    C.data,
+                    m,
+                    n,
+                    bx * bn,
+                    T.address_of(xfer[0]),
+                    T.block_rank_in_cluster(),
+                    tx,
+                )
+            T.cluster_arrive()
+            T.cluster_wait()
+
+    @T.macro
+    def group(bufs, g, part, acc, scale):
+        """`consumer` for the groups there are; nothing for g >= k_groups (no thread reaches those)."""
+        if g < kg:
+            consumer(*bufs, g, part, acc, scale)
+
+    @T.macro
+    def produce_all(A, B, a_s, b_s, full, empty, bx, bz):
+        T.set_max_nreg(40, 0)
+        produce(A, B, a_s, b_s, full, empty, bx, bz)
+        if split > 1:  # every thread of the cluster meets at both cluster barriers
+            T.cluster_arrive()
+            T.cluster_wait()
+            T.cluster_arrive()
+            T.cluster_wait()
+
+    @T.prim_func
+    def fp8_gemm(
+        A: T.Tensor((m, k), fp8),
+        AS: T.Tensor((m, kb), f32),
+        B: T.Tensor((n, k), fp8),
+        BS: T.Tensor((n // BLOCK, kb), f32),
+        C: T.Tensor((m, n), "bfloat16"),
+    ):
+        with T.Kernel(n // bn, 1, split, threads=producer + 128) as (bx, by, bz):
+            a_s = T.alloc_shared((ns, 64, BLOCK), fp8)
+            b_s = T.alloc_shared((ns, bn, BLOCK), fp8)
+            sa = T.alloc_shared((kg, turns, 64), f32)  # each group's activation scales, per turn and row
+            sb = T.alloc_shared((kg, turns), f32)  # and weight scales, per turn
+            sums = T.alloc_shared((kg - 1, 64, bn), f32)  # groups 1..: their accumulators, for group 0
+            # the split's sum, row-major, read by the cluster
+            xfer = T.alloc_shared((64 * bn,), f32) if split > 1 else None
+            full = T.alloc_barrier([128] * ns)  # the producer's 128 threads
+            empty = T.alloc_barrier([128] * ns)  # the consumer warpgroup that took the block
+            summed = T.alloc_barrier(128 * (kg - 1))  # groups 1.. have written `sums`
+            # one set of registers per consumer warpgroup (each is laid out for its own 128 threads)
+            p0, p1, p2, p3 = (T.alloc_fragment((64, bn), f32) for _ in range(4))
+            c0, c1, c2, c3 = (T.alloc_fragment((64, bn), f32) for _ in range(4))
+            s0, s1, s2, s3 = (T.alloc_fragment((64,), f32) for _ in range(4))
+            tx = T.get_thread_binding()
+            bufs = (AS, BS, C, a_s, b_s, sa, sb, sums, xfer, full, empty, summed, bx, bz, tx)
+            # one if / elif chain over the roles (separate ifs would get a CTA-wide barrier between them)
+            if tx >= producer:
+                produce_all(A, B, a_s, b_s, full, empty, bx, bz)
+            elif tx < 128:
+                group(bufs, 0, p0, c0, s0)
+            elif tx < 256:
+                group(bufs, 1, p1, c1, s1)
+            elif tx < 384:
+                group(bufs, 2, p2, c2, s2)
+            else:
+                group(bufs, 3, p3, c3, s3)
+
+    return fp8_gemm
+
+
+def with_cluster_sum(source: str, name: str, split: int) -> str:
+    """The lowered source with the cluster shape (1, 1, split) declared on the kernel and `djax_cluster_sum`
+    ahead of it."""
+    from djax.kernels.sparse_attn_tilelang import with_cluster
+
+    source = with_cluster(source, name, (1, 1, split))
+    at = source.index('extern "C" __global__')
+    return source[:at] + _CLUSTER_SUM + "\n" + source[at:]
