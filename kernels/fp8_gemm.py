@@ -64,25 +64,31 @@ def fp8_gemm(
 
 def auto_takes_tilelang(a, b, out_dtype) -> bool:
     """Whether impl="auto" runs the TileLang "ws" kernel: on CUDA with TileLang (and nvcc) installed, for fp8
-    e4m3 operands with n and k multiples of 128, a bf16 result, and m large enough that the default tiling's
-    CTAs fill the GPU at least twice over (at 128x256 tiles and n 4,096: m above 2,048).
+    e4m3 operands with n and k multiples of 128 and a bf16 result, where it was measured faster than Triton:
+    at prefill when the default tiling's CTAs fill the GPU at least twice over (at 128x256 tiles and n 4,096:
+    m above 2,048), at decode (m <= 64) where the default tiling is the k-group kernel (n 4096, k 7168).
 
     H200, 2026-12-01 (device time): TileLang 1,169 TFLOP/s at 4096x4096x4096 (512 CTAs) and 1,238 at
-    4096x7168x7168 (896 CTAs; bench_tilelang.py), Triton 928 at 4096x4096x7168 (bench_kernels.py). Between
-    m = 64 and 4,096 neither was measured: there the TileLang tiles, twice as wide, leave more SMs idle than
-    Triton's, so smaller m stays on Triton. At m = 64, n 4096, k 7168 the two were within 3% (12.8 against
-    13.2 us), and Triton compiles a new shape faster (each TileLang program is specialised to its (m, n, k))."""
+    4096x7168x7168 (896 CTAs; bench_tilelang.py), Triton 928 at 4096x4096x7168 (bench_kernels.py); at m 64,
+    n 4096, k 7168 the k-group kernel 11.9 us against Triton's 13.0 in one bench_kernels run
+    (kernels_h200_fp8_kgroups.json). Between m = 64 and 4,096 neither was measured: there the TileLang tiles,
+    twice as wide, leave more SMs idle than Triton's, so those m stay on Triton, as do the other decode shapes
+    (within a few percent of Triton, which compiles a new shape faster: each TileLang program is specialised
+    to its (m, n, k))."""
     from djax.kernels.fp8_gemm_tilelang import H200_SMS, default_ws_tiling
 
     m, k = a.shape
     n = b.shape[0]
     fits = n % 128 == 0 and k % 128 == 0 and jnp.dtype(out_dtype) == jnp.bfloat16
-    fits = fits and a.dtype == b.dtype == jnp.float8_e4m3fn and b.shape[1] == k and m > 64
+    fits = fits and a.dtype == b.dtype == jnp.float8_e4m3fn and b.shape[1] == k
     if not fits:
         return False
     t = default_ws_tiling(m, n, k)
-    ctas = -(-m // t.block_m) * (n // t.block_n) * t.split_k
-    return ctas >= 2 * H200_SMS and dispatch.on_cuda() and dispatch.has_tilelang()
+    if m <= 64:
+        faster = t.k_groups > 1
+    else:
+        faster = -(-m // t.block_m) * (n // t.block_n) * t.split_k >= 2 * H200_SMS
+    return faster and dispatch.on_cuda() and dispatch.has_tilelang()
 
 
 def grouped_contiguous(

@@ -155,8 +155,9 @@ def test_dense_config_splits_k_for_decode():
 
 def test_auto_takes_tilelang_at_prefill_shapes_on_cuda(monkeypatch):
     """impl="auto" on CUDA with TileLang installed: the TileLang "ws" kernel for fp8 operands with n, k
-    multiples of 128, a bf16 result and at least two waves of its tiles (2 x 132 CTAs); Triton for fewer
-    tiles, decode-sized m, other shapes or dtypes, or an explicit Triton config; TileLang wherever a variant is
+    multiples of 128, a bf16 result and at least two waves of its tiles (2 x 132 CTAs), or at decode where
+    its default is the k-group kernel; Triton for fewer tiles, other decode shapes, other shapes or dtypes,
+    or an explicit Triton config; TileLang wherever a variant is
     asked for; the reference off CUDA. The backend is faked and the kernels are stubs: this checks the
     choice, not the kernels."""
     import djax.kernels.fp8_gemm as op
@@ -187,6 +188,9 @@ def test_auto_takes_tilelang_at_prefill_shapes_on_cuda(monkeypatch):
     assert call(2176, 4096, 256) == ("tilelang", "ws")
     assert call(2048, 4096, 256) == ("triton", None)
     assert call(64, 4096, 256) == ("triton", None)  # decode
+    assert call(64, 4096, 7168) == ("tilelang", "ws")  # decode where the k-group kernel beat Triton
+    assert call(5, 4096, 7168) == ("tilelang", "ws")
+    assert call(64, 16384, 7168) == ("triton", None)
     assert call(2176, 4096, 200) == ("triton", None)  # k not a multiple of 128
     assert call(2176, 4000, 256) == ("triton", None)  # n not a multiple of 128
     assert call(2176, 4096, 256, jnp.float32) == ("triton", None)  # the TileLang kernel writes bf16
