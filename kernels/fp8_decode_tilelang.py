@@ -1,14 +1,17 @@
 """FP8 block-scaled GEMM for decode (m <= 64) with the k blocks dealt out to several consumer warpgroups.
 
 At decode the weights stream from memory once and each CTA's work is a chain of dependent k blocks (wait for
-the block, wgmma, wait for the wgmma, promote into the f32 accumulator). With one consumer warpgroup that
-chain, not the bytes in flight, sets the pace (NOTES.md). Here `k_groups` consumer warpgroups take turns
-over the CTA's k blocks (block j goes to warpgroup j mod k_groups), each into its own accumulator, so each
-chain is k_groups times shorter; the producer warpgroup keeps one TMA ring in block order for all of them.
-At the end the warpgroups sum their accumulators through shared memory. With `split_k` > 1 the splits of a
-column tile are one thread-block cluster: each split leaves its sum in shared memory, and after the cluster
+the block, wgmma, wait for the wgmma, promote into the f32 accumulator); for Triton's unsplit kernel that
+chain, not the bytes in flight, set the pace (NOTES.md). Here `k_groups` consumer warpgroups take turns over
+the CTA's k blocks (block j goes to warpgroup j mod k_groups), each into its own accumulator, so each chain
+is k_groups times shorter; the producer warpgroup keeps one TMA ring in block order for all of them. At the
+end the warpgroups sum their accumulators through shared memory. With `split_k` > 1 the splits of a column
+tile are one thread-block cluster: each split leaves its sum in shared memory, and after the cluster
 barrier every split adds up its share of the rows from all of them (distributed shared memory) and writes
 bf16. No partials leave the chip and no second kernel runs.
+
+On the H200 the shorter chains did not make the split kernel's k loop faster (four groups were no better
+than two); what pays is the sum in the cluster, which replaces XLA's sum of f32 partials (NOTES.md).
 
 TileLang writes the program (`decode_program`); the cluster shape and the cross-split sum are CUDA put into
 the lowered source (`with_cluster_sum`), as for the sparse decode's merge: TileLang 0.1.15 has no load from
