@@ -217,7 +217,7 @@ def decode_program(m: int, n: int, k: int, tiling):
 def with_cluster_sum(source: str, name: str, split: int) -> str:
     """The lowered source with the cluster shape (1, 1, split) declared on the kernel and `djax_cluster_sum`
     ahead of it."""
-    from djax.kernels.sparse_attn_tilelang import with_cluster
+    from djax.kernels.tilelang_build import with_cluster
 
     source = with_cluster(source, name, (1, 1, split))
     at = source.index('extern "C" __global__')

@@ -26,21 +26,26 @@ Compiling needs TileLang 0.1.15 and, for the cubin, nvcc (13.0 here and on the H
 
 import functools
 import hashlib
-import os
-import subprocess
-import tempfile
 from dataclasses import dataclass
-from pathlib import Path
 
 import jax
 import jax.numpy as jnp
 
+from djax.kernels import tilelang_build
+from djax.kernels.tilelang_build import (
+    ARCH,
+    HOPPER,
+    POINTER_ONLY,
+    lower,
+    lowered_on_disk,
+    nvcc_cubin,
+    one_kernel,
+    pointer_kernel,
+)
+
 BLOCK = 128  # scale granularity along k (and along n for the weights)
 H200_SMS = 132
 _PARAMS = ("A", "AS", "B", "BS", "C")  # kernel parameter order: operands in call order, then the result
-_PASS_CONFIG = {"tl.disable_tma_lower": True, "tl.disable_warp_specialized": True}
-_WS_PASS_CONFIG: dict = {}  # TileLang's defaults on Hopper: TMA lowering and warp specialisation on
-_ARCH = "sm_90a"  # wgmma needs the arch-specific target
 
 
 @dataclass(frozen=True)
@@ -450,90 +455,17 @@ def ascend_program(m: int, n: int, k: int, block_m: int = 128, block_n: int = 12
     return fp8_gemm
 
 
-def _lower(program, target: dict, pass_config: dict | None = None):
-    import tilelang
-    from tilelang import tvm
-
-    tgt = tvm.target.Target(target)
-    config = _PASS_CONFIG if pass_config is None else pass_config
-    with tvm.transform.PassContext(config=config), tgt:
-        return tilelang.lower(program, target=tgt)
-
-
 def ascend_source(m: int, n: int, k: int) -> str:
     """AscendC source of the Ascend program (TileLang's "ascend" target; compiling it needs CANN's bisheng)."""
-    return _lower(ascend_program(m, n, k), {"kind": "ascend"}).kernel_source
+    return lower(ascend_program(m, n, k), {"kind": "ascend"}, POINTER_ONLY).kernel_source
 
 
 def lower_cuda(m: int, n: int, k: int, tiling: Tiling | None = None) -> tuple[str, dict]:
     """CUDA source and launch parameters (grid, threads, shared_bytes, params, name). No GPU needed."""
     tiling = tiling or default_tiling(m, n, k)
-    return pointer_kernel(_lower(cuda_program(m, n, k, tiling), {"kind": "cuda", "arch": _ARCH}), _PARAMS)
-
-
-def pointer_kernel(art, want_params: tuple[str, ...]) -> tuple[str, dict]:
-    """The CUDA source and launch description (name, grid, threads, shared_bytes, params) of a lowered TileLang
-    program for the pointer-only launcher: one kernel, 1-D blocks, exactly `want_params` (device pointers in
-    the launcher's order). Raises NotImplementedError for anything else."""
-    fn, launch = _one_kernel(art)
-    params = tuple(p.name for p in fn.params)
-    if params != want_params:  # a scalar, descriptor or reordered parameter would break the pointer-only ABI
-        raise NotImplementedError(f"unexpected kernel parameters {params}, want {want_params}")
-    return art.kernel_source, {**launch, "params": params}
-
-
-def _one_kernel(art) -> tuple[object, dict]:
-    """The lowered program's one device function and its launch shape (name, grid, threads, shared_bytes), as
-    the FFI launchers take it: 1-D blocks, no clusters. Raises NotImplementedError for anything else."""
-    (gvar, fn), *rest = art.device_mod.functions.items()
-    if rest:
-        raise NotImplementedError("TileLang split the program into several kernels")
-    ext = {str(t): int(v) for t, v in fn.attrs["thread_extent"].items()}
-    if ext.get("threadIdx.y", 1) != 1 or ext.get("threadIdx.z", 1) != 1:
-        raise NotImplementedError(f"the FFI launcher takes 1-D blocks, got {ext}")
-    if "cluster_dims" in fn.attrs:
-        raise NotImplementedError("thread block clusters are not launched by the FFI handlers")
-    launch = dict(
-        name=gvar.name_hint,
-        grid=(ext.get("blockIdx.x", 1), ext.get("blockIdx.y", 1), ext.get("blockIdx.z", 1)),
-        threads=ext["threadIdx.x"],
-        shared_bytes=int(fn.attrs.get("dyn_shared_memory_buf", 0)),
+    return pointer_kernel(
+        lower(cuda_program(m, n, k, tiling), {"kind": "cuda", "arch": ARCH}, POINTER_ONLY), _PARAMS
     )
-    return fn, launch
-
-
-def lowered_on_disk(name: str, args: tuple, lower, files: tuple[str, ...]) -> tuple[str, dict]:
-    """`lower(*args)` -> (CUDA source, launch description), kept on disk beside the cubins as JSON: lowering
-    takes seconds per shape and tiling and depends only on `args`, TileLang's version and the text of
-    `files` (the modules that write the program), all in the key. TensorMap parameters round-trip."""
-    import dataclasses
-    import importlib.metadata
-    import json
-
-    from djax.ffi.build import cache_dir
-    from djax.ffi.tma import TensorMap
-
-    text = "".join(Path(f).read_text() for f in files)
-    version = importlib.metadata.version("tilelang")  # not `import tilelang`: that alone takes seconds
-    key = hashlib.sha256(repr((args, version, text)).encode()).hexdigest()[:24]
-    path = cache_dir().parent / "tilelang" / f"{name}-{key}.json"
-    if path.exists():
-        saved = json.loads(path.read_text())
-        launch = saved["launch"]
-        params = tuple(
-            TensorMap(**{f: tuple(v) if isinstance(v, list) else v for f, v in p.items()})
-            if isinstance(p, dict)
-            else p
-            for p in launch["params"]
-        )
-        return saved["source"], {**launch, "grid": tuple(launch["grid"]), "params": params}
-    source, launch = lower(*args)
-    params = [dataclasses.asdict(p) if isinstance(p, TensorMap) else p for p in launch["params"]]
-    path.parent.mkdir(parents=True, exist_ok=True)
-    part = path.with_suffix(f".{os.getpid()}.part")
-    part.write_text(json.dumps({"source": source, "launch": {**launch, "params": params}}))
-    os.replace(part, path)  # atomic: a concurrent reader sees the whole file or none
-    return source, launch
 
 
 def lower_ws(m: int, n: int, k: int, tiling: WsTiling | None = None) -> tuple[str, dict]:
@@ -543,8 +475,8 @@ def lower_ws(m: int, n: int, k: int, tiling: WsTiling | None = None) -> tuple[st
     from djax.ffi.tma import params_from_tilelang
 
     tiling = tiling or default_ws_tiling(m, n, k)
-    art = _lower(ws_program(m, n, k, tiling), {"kind": "cuda", "arch": _ARCH}, _WS_PASS_CONFIG)
-    fn, launch = _one_kernel(art)
+    art = lower(ws_program(m, n, k, tiling), {"kind": "cuda", "arch": ARCH}, HOPPER)
+    fn, launch = one_kernel(art)
     (host_fn,) = art.host_mod.functions.values()
     source = art.kernel_source
     if tiling.k_groups > 1 and tiling.split_k > 1:
@@ -554,57 +486,15 @@ def lower_ws(m: int, n: int, k: int, tiling: WsTiling | None = None) -> tuple[st
     return source, {**launch, "params": params_from_tilelang(fn, host_fn, _PARAMS)}
 
 
-def _nvcc() -> str:
-    from djax.kernels.dispatch import nvcc_path
-
-    found = nvcc_path()
-    if found is None:
-        raise RuntimeError("nvcc not found: set CUDA_HOME")
-    return found
-
-
-@functools.cache
-def _nvcc_version(nvcc: str) -> str:
-    return subprocess.run([nvcc, "--version"], capture_output=True, text=True).stdout
-
-
-def nvcc_cubin(source: str) -> bytes:
-    """Compiles TileLang's CUDA source to an sm_90a cubin, cached on disk by source, compiler and TileLang
-    version (its headers are the version's). TileLang itself is imported only to compile: that takes seconds."""
-    import importlib.metadata
-
-    from djax.ffi.build import cache_dir
-
-    nvcc = _nvcc()
-    flags = ["-cubin", f"-arch={_ARCH}", "-O3", "-std=c++20", "-w"]
-    headers = "tilelang " + importlib.metadata.version("tilelang")
-    key = hashlib.sha256("\0".join([source, _nvcc_version(nvcc), headers, *flags]).encode()).hexdigest()[:24]
-    out = cache_dir().parent / "tilelang" / f"fp8_gemm-{key}.cubin"
-    if not out.exists():
-        from tilelang.env import CUTLASS_INCLUDE_DIR, TILELANG_TEMPLATE_PATH
-
-        out.parent.mkdir(parents=True, exist_ok=True)
-        with tempfile.TemporaryDirectory(dir=out.parent) as tmp:
-            src = Path(tmp) / "kernel.cu"
-            src.write_text(source)
-            part = Path(tmp) / out.name
-            includes = [f"-I{TILELANG_TEMPLATE_PATH}", f"-I{CUTLASS_INCLUDE_DIR}"]
-            run = subprocess.run(
-                [nvcc, *flags, *includes, str(src), "-o", str(part)], capture_output=True, text=True
-            )
-            if run.returncode:
-                raise RuntimeError(f"nvcc failed on TileLang's source:\n{run.stderr[-4000:]}")
-            os.replace(part, out)
-    return out.read_bytes()
-
-
 @functools.cache
 def cuda_kernel(m: int, n: int, k: int, tiling: Tiling | None = None) -> CudaKernel:
     """Lowers, compiles (no GPU needed) and describes the kernel for one static shape."""
     from djax.ffi.cubin import Cubin
 
     tiling = tiling or default_tiling(m, n, k)
-    source, launch = lowered_on_disk("fp8_gemm_pointer", (m, n, k, tiling), lower_cuda, (__file__,))
+    source, launch = lowered_on_disk(
+        "fp8_gemm_pointer", (m, n, k, tiling), lower_cuda, (__file__, tilelang_build.__file__)
+    )
     binary = nvcc_cubin(source)
     key = "tl-" + hashlib.sha256(binary).hexdigest()[:24]
     cub = Cubin(key, launch["name"], binary, launch["threads"], launch["shared_bytes"], extra_null=0)
@@ -614,10 +504,10 @@ def cuda_kernel(m: int, n: int, k: int, tiling: Tiling | None = None) -> CudaKer
 def ws_sources(tiling: WsTiling) -> tuple[str, ...]:
     """The modules whose text the "ws" lowering of `tiling` depends on (part of its disk cache key)."""
     if tiling.k_groups == 1:
-        return (__file__,)
-    from djax.kernels import fp8_decode_tilelang, sparse_attn_tilelang  # the program, its cluster code
+        return (__file__, tilelang_build.__file__)
+    from djax.kernels import fp8_decode_tilelang  # the program and its cluster code
 
-    return (__file__, fp8_decode_tilelang.__file__, sparse_attn_tilelang.__file__)
+    return (__file__, tilelang_build.__file__, fp8_decode_tilelang.__file__)
 
 
 @functools.cache

@@ -16,8 +16,8 @@ kernels they are not zero-filled, so a non-finite value stored in such a row wou
 in the reference.
 """
 
-from djax.kernels.fp8_gemm_tilelang import _lower
 from djax.kernels.sparse_attn_tilelang import _LOG2E, HEADS, _blocks  # HEADS: the Cube's M, 64 heads a task
+from djax.kernels.tilelang_build import POINTER_ONLY, lower
 
 
 def check_shapes(h: int, k: int, w: int, c: int, t: int, block_s: int) -> None:
@@ -140,4 +140,5 @@ def ascend_source(
     b: int, h: int, k: int, w: int, c: int, t: int, scale: float, block_s: int = 64, cores: int = 32
 ) -> str:
     """AscendC source of the program (TileLang's "ascend" target; compiling it needs CANN's bisheng)."""
-    return _lower(ascend_program(b, h, k, w, c, t, scale, block_s, cores), {"kind": "ascend"}).kernel_source
+    program = ascend_program(b, h, k, w, c, t, scale, block_s, cores)
+    return lower(program, {"kind": "ascend"}, POINTER_ONLY).kernel_source

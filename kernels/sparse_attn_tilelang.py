@@ -29,11 +29,19 @@ from dataclasses import dataclass
 import jax
 import jax.numpy as jnp
 
-from djax.kernels.fp8_gemm_tilelang import _lower, lowered_on_disk, nvcc_cubin, pointer_kernel
+from djax.kernels import tilelang_build
 from djax.kernels.sparse_attn_ref import combine_splits
+from djax.kernels.tilelang_build import (
+    ARCH,
+    POINTER_ONLY,
+    lower,
+    lowered_on_disk,
+    nvcc_cubin,
+    pointer_kernel,
+    with_cluster,
+)
 
 HEADS = 64  # wgmma M: one CTA takes 64 heads of one row
-_ARCH = "sm_90a"
 _LOG2E = math.log2(math.e)
 _ASYNC = {"parallel_async_without_async_commit_wait": True}  # cp.async without an implied commit + wait
 _SMEM_LIMIT = 227 * 1024
@@ -692,7 +700,7 @@ def lower_cuda(
 ) -> tuple[str, dict]:
     """CUDA source and launch parameters (name, grid, threads, shared_bytes, params). No GPU needed."""
     program = ws_program if tiling.ws else cuda_program
-    art = _lower(program(b, h, k, w, c, t, scale, tiling), {"kind": "cuda", "arch": _ARCH})
+    art = lower(program(b, h, k, w, c, t, scale, tiling), {"kind": "cuda", "arch": ARCH}, POINTER_ONLY)
     kind = (
         "plain" if tiling.nsplit == 1 else "dsmem" if tiling.dsmem else "merge" if tiling.merge else "split"
     )
@@ -772,22 +780,10 @@ def _with_dsmem_merge(source: str) -> str:
     return source[:at] + _DSMEM_MERGE + "\n" + source[at:]
 
 
-def with_cluster(source: str, name: str, dims: tuple[int, int, int]) -> str:
-    """Declares the kernel's thread-block cluster shape in its source (`__cluster_dims__`): a compile-time
-    cluster needs no launch attribute, so the plain cuLaunchKernel of the FFI launcher runs it clustered.
-    (TileLang's own cluster launch goes through cudaLaunchKernelEx instead.)"""
-    head = 'extern "C" __global__ void __launch_bounds__('
-    at = source.index(head)
-    at = source.index(f" {name}(", at)
-    if source.count(f" {name}(") != 2:  # the forward declaration and the definition
-        raise NotImplementedError(f"unexpected declarations of {name} in the lowered source")
-    return source[:at] + " __cluster_dims__({}, {}, {})".format(*dims) + source[at:]
-
-
 def _lowered_on_disk(b: int, h: int, k: int, w: int, c: int, t: int, scale: float, tiling: Tiling):
     """`lower_cuda`, kept on disk beside the cubins: lowering takes 5-15 s per shape and tiling (key: the
-    arguments, TileLang's version, this module and the one holding `_lower`)."""
-    files = (__file__, _lower.__code__.co_filename)
+    arguments, TileLang's version, this module and the build helpers)."""
+    files = (__file__, tilelang_build.__file__)
     return lowered_on_disk("sparse_decode", (b, h, k, w, c, t, scale, tiling), lower_cuda, files)
 
 
