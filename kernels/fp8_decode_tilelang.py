@@ -18,6 +18,8 @@ the lowered source (`with_cluster_sum`), as for the sparse decode's merge: TileL
 a peer's shared memory.
 """
 
+from djax.kernels.tilelang_build import with_cluster, with_device_code
+
 _CLUSTER_SUM = r"""
 template <int SPLIT, int BN>
 __device__ __forceinline__ void djax_cluster_sum(const bfloat16_t* out_ro, int m, int n, int col0, const float* xfer,
@@ -217,8 +219,4 @@ def decode_program(m: int, n: int, k: int, tiling):
 def with_cluster_sum(source: str, name: str, split: int) -> str:
     """The lowered source with the cluster shape (1, 1, split) declared on the kernel and `djax_cluster_sum`
     ahead of it."""
-    from djax.kernels.tilelang_build import with_cluster
-
-    source = with_cluster(source, name, (1, 1, split))
-    at = source.index('extern "C" __global__')
-    return source[:at] + _CLUSTER_SUM + "\n" + source[at:]
+    return with_device_code(with_cluster(source, name, (1, 1, split)), _CLUSTER_SUM)

@@ -39,6 +39,7 @@ from djax.kernels.tilelang_build import (
     nvcc_cubin,
     pointer_kernel,
     with_cluster,
+    with_device_code,
 )
 
 HEADS = 64  # wgmma M: one CTA takes 64 heads of one row
@@ -708,7 +709,7 @@ def lower_cuda(
     if tiling.merge:
         source = with_cluster(source, launch["name"], (1, 1, tiling.nsplit))
     if tiling.dsmem:
-        source = _with_dsmem_merge(source)
+        source = with_device_code(source, _DSMEM_MERGE)
     return source, launch
 
 
@@ -772,12 +773,6 @@ __device__ __forceinline__ void djax_dsmem_merge(const bfloat16_t* out_ro, int o
   }
 }
 """
-
-
-def _with_dsmem_merge(source: str) -> str:
-    """Puts `_DSMEM_MERGE` ahead of the first kernel declaration (after TileLang's includes)."""
-    at = source.index('extern "C" __global__')
-    return source[:at] + _DSMEM_MERGE + "\n" + source[at:]
 
 
 def _lowered_on_disk(b: int, h: int, k: int, w: int, c: int, t: int, scale: float, tiling: Tiling):

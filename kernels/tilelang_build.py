@@ -149,3 +149,10 @@ def with_cluster(source: str, name: str, dims: tuple[int, int, int]) -> str:
     if source.count(f" {name}(") != 2:  # the forward declaration and the definition
         raise NotImplementedError(f"unexpected declarations of {name} in the lowered source")
     return source[:at] + " __cluster_dims__({}, {}, {})".format(*dims) + source[at:]
+
+
+def with_device_code(source: str, code: str) -> str:
+    """The lowered source with `code` (CUDA device functions the program calls through `T.call_extern`) put
+    ahead of the first kernel declaration, after TileLang's includes."""
+    at = source.index('extern "C" __global__')
+    return source[:at] + code + "\n" + source[at:]
