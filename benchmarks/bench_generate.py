@@ -24,6 +24,9 @@ One run, in this order (no compilation runs while anything is timed):
      skipped and recorded (XLA may lower ragged_dot densely: every expert on every row).
 
 Run (GPU):   python benchmarks/bench_generate.py --out $OUT
+FP8 model:   python benchmarks/bench_generate.py --fp8 --parts ceilings,decode,decode_dequant,decode_xla --name h200_fp8
+             (the projections as an FP8 checkpoint holds them; with kernels they run through fp8_gemm, in
+             part decode_dequant they are made dense on use, as without kernels)
 Debug (CPU): python benchmarks/bench_generate.py --tiny --out /tmp/bench
 """
 
@@ -128,6 +131,20 @@ def decode_without_kernels(cfg: djax.ModelConfig, b: int):
     moe_impl = "gather" if b * cfg.num_experts_per_tok <= cfg.n_routed_experts else "batched"
     step = partial(deepseek_v4.decode_step, cfg=cfg, moe_impl=moe_impl, kernels="off")
     return jax.jit(step, donate_argnums=(2,))
+
+
+def dense_on_use(params):
+    """The FP8 projections that `fp8_gemm` takes, each 128 x 128 scale repeated over four 64 x 64 blocks:
+    the same weights, which `layers.linear` then makes dense on use (fp8_gemm takes 128 x 128 blocks only)."""
+    from djax.models.layers import takes_fp8_gemm
+    from djax.quant import QArray
+
+    def one(w):
+        if not takes_fp8_gemm(w):
+            return w
+        return QArray(w.values, jnp.repeat(jnp.repeat(w.scale, 2, 0), 2, 1), (64, 64))
+
+    return jax.tree.map(one, params, is_leaf=lambda x: isinstance(x, QArray))
 
 
 # ---- ahead-of-time compilation of djax's programs ----------------------------------------------------------
@@ -591,21 +608,22 @@ def run_djax(res: dict, params, cfg, w: dict, comp: Compiler, rng, save, parts) 
         }
         log(f"djax prefill {b}x{t}: {b * t / median(ts):,.0f} tok/s")
 
-    def decode(b, program="decode", key="decode"):
+    def decode(b, program="decode", key="decode", p=None):
+        p = params if p is None else p
         dec = comp.get(f"{program}_{b}")
         fits(comp, f"{program}_{b}")
         ct = w["context"]
         state = synthetic_state(cfg, b, w["max_len"], ct, b)
         tok = jnp.asarray(rng.integers(2, v, (b,)), jnp.int32)
         for _ in range(2):
-            logits, state = dec(params, tok, state)
+            logits, state = dec(p, tok, state)
             tok = argmax(logits)
         tok.block_until_ready()
         ts = []
         for _ in range(w["decode_reps"]):
             s = time.perf_counter()
             for _ in range(w["decode_steps"]):
-                logits, state = dec(params, tok, state)
+                logits, state = dec(p, tok, state)
                 tok = argmax(logits)
             tok.block_until_ready()
             ts.append((time.perf_counter() - s) / w["decode_steps"])
@@ -657,6 +675,10 @@ def run_djax(res: dict, params, cfg, w: dict, comp: Compiler, rng, save, parts) 
         save()
     for b in w["decode_batches"] if "decode_xla" in parts else []:
         guarded(res, f"decode_xla_{b}", decode, b, "decode_xla", "decode_xla")
+        save()
+    dequant = dense_on_use(params) if "decode_dequant" in parts else None
+    for b in w["decode_batches"] if "decode_dequant" in parts else []:
+        guarded(res, f"decode_dequant_{b}", decode, b, "decode_dequant", "decode_dequant", dequant)
         save()
     if "generate" in parts:
         guarded(res, "generate", generate)
@@ -753,6 +775,12 @@ def table(result: dict) -> str:
             f"{'no kernels b=' + b + ' ms':<24}{r['median_step_s'] * 1e3:>12.2f}   djax.kernels speed-up "
             f"{fmt(r['median_step_s'] / k['median_step_s'] if k else None, '.2f')}x"
         )
+    for b, r in dj.get("decode_dequant", {}).items():
+        k = dj.get("decode", {}).get(b)
+        lines.append(
+            f"{'fp8 dense on use b=' + b:<24}{r['median_step_s'] * 1e3:>12.2f}   fp8_gemm speed-up "
+            f"{fmt(r['median_step_s'] / k['median_step_s'] if k else None, '.2f')}x"
+        )
     g = dj.get("generate")
     if g:
         lines.append(
@@ -784,10 +812,19 @@ def main() -> int:
         default="check,ceilings,hf,prefill,decode,generate",
         help="comma list of: check (logits vs HF), hfvariants (HF with eager experts too), ceilings, hf "
         "(HF timings), prefill, decode, decode_xla (decode without djax.kernels: the speed-up they bring), "
-        "generate",
+        "generate; with --fp8 also decode_dequant (kernels on, the FP8 projections made dense on use: what "
+        "fp8_gemm brings)",
+    )
+    ap.add_argument(
+        "--fp8",
+        action="store_true",
+        help="the projections as FP8 with 128x128 scales (djax.quantize_projections), as an FP8 checkpoint "
+        "loads them; decode with kernels then runs them through fp8_gemm. HF parts are skipped",
     )
     args = ap.parse_args()
     parts = set(args.parts.split(","))
+    if args.fp8:
+        parts -= {"check", "hf", "hfvariants"}  # HF would hold these weights in bf16: not the same model
     w = TINY if args.tiny else FULL
     cfg = make_config(args.tiny)
     out_dir = Path(args.out)
@@ -802,6 +839,8 @@ def main() -> int:
     # memory is freed (XLA's autotuning and a dense ragged_dot can take large buffers into JAX's pool).
     comp = Compiler(workers=8)
     aparams = djax.abstract_params(cfg)
+    if args.fp8:
+        aparams = jax.eval_shape(lambda p: djax.quantize_projections(p, cfg), aparams)
     if "check" in parts:
         comp.submit("forward", djax.forward, aparams, sds((1, w["check_len"])), cfg)
     for b in w["decode_batches"] if "decode" in parts else []:
@@ -810,6 +849,13 @@ def main() -> int:
     for b in w["decode_batches"] if "decode_xla" in parts else []:
         st = jax.eval_shape(lambda b=b: djax.init_state(cfg, b, w["max_len"]))
         comp.submit(f"decode_xla_{b}", decode_without_kernels(cfg, b), aparams, sds((b,)), st)
+    if not args.fp8:
+        parts.discard("decode_dequant")
+    for b in w["decode_batches"] if "decode_dequant" in parts else []:
+        st = jax.eval_shape(lambda b=b: djax.init_state(cfg, b, w["max_len"]))
+        comp.submit(
+            f"decode_dequant_{b}", djax.decode, jax.eval_shape(dense_on_use, aparams), sds((b,)), st, cfg
+        )
 
     def submit_big():
         for b, t in w["prefill"] if "prefill" in parts else []:
@@ -837,6 +883,8 @@ def main() -> int:
     params = jax.tree.map(
         lambda x: x.astype(jnp.bfloat16).astype(jnp.float32) if x.dtype == jnp.float32 else x, params
     )
+    if args.fp8:
+        params = djax.quantize_projections(params, cfg)
     jax.block_until_ready(params)
     init_s = time.perf_counter() - t
     log(f"params: {nbytes(params) / 1e9:.2f} GB in {init_s:.1f} s")
@@ -855,7 +903,8 @@ def main() -> int:
         },
         "model": {
             "summary": f"V4-Flash shapes, {cfg.num_hidden_layers} layers ratios {cfg.compress_ratios}, "
-            f"{cfg.num_hash_layers} hash layer, bf16 random weights",
+            f"{cfg.num_hash_layers} hash layer, bf16 random weights"
+            + (", projections FP8 (128x128 scales)" if args.fp8 else ""),
             "config": {k: (list(v) if isinstance(v, tuple) else v) for k, v in cfg.__dict__.items()},
             "param_bytes": nbytes(params),
             "init_seconds": round(init_s, 1),
@@ -1027,6 +1076,11 @@ def derive(result: dict, cfg, params) -> None:
     result["decode_kernel_speedup"] = {
         b: r["median_step_s"] / dj["decode"][b]["median_step_s"]
         for b, r in dj.get("decode_xla", {}).items()
+        if b in dj.get("decode", {})
+    }
+    result["decode_fp8_gemm_speedup"] = {
+        b: r["median_step_s"] / dj["decode"][b]["median_step_s"]
+        for b, r in dj.get("decode_dequant", {}).items()
         if b in dj.get("decode", {})
     }
     result["prefill_mfu"] = {

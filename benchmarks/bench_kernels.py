@@ -1,6 +1,6 @@
 """Times each djax kernel against XLA's lowering of its jnp reference: time, TFLOP/s, GB/s, roofline ratio.
 
-python benchmarks/bench_kernels.py [--out DIR] [--small] [--only attn,index,topk,moe,fp8,attn_blocks]
+python benchmarks/bench_kernels.py [--out DIR] [--small] [--only attn,index,topk,moe,fp8,attn_blocks,fp8_linear]
 (on a CUDA GPU; writes kernels_<device>.json and .png; the MoE and FP8 cases are in bench_moe.py)
 
 Each fast output is checked against the reference first (rel_err). Times are device time per call (the
@@ -490,6 +490,9 @@ def run(
     if "fp8" in only:
         save()
         fp8_cases(record, small)
+    if "fp8_linear" in only:
+        save()
+        fp8_linear_cases(record, small)
 
     save()
     print(
@@ -505,6 +508,48 @@ def run(
         )
     print(f"{len(errors)} errors")
     plot(rows, os.path.join(out_dir, f"kernels_{tag}.png"))
+
+
+# V4-Flash projections a decode step reads (out, in): q LoRA up, output LoRA down, shared expert up and down
+FP8_LINEAR_SHAPES = [(32768, 1024), (4096, 8192), (2048, 4096), (4096, 2048)]
+
+
+def fp8_linear_cases(record, small: bool):
+    """The model's `linear` with an FP8 weight (e4m3, 128x128 scales) at decode batch sizes: made dense on
+    use (the path without kernels), activations quantized 1x128 + `fp8_gemm` (kernels "auto"), and, for
+    scale, the same product with a bf16 weight (what a bf16 checkpoint reads)."""
+    from djax.models.layers import linear
+    from djax.quant import QArray, quantize
+
+    def fp8_linear(fp8):  # the model's linear on an FP8 weight given as (values, scale)
+        return lambda x, v, s, wb: linear(x, QArray(v, s, (128, 128)), fp8=fp8)
+
+    shapes = FP8_LINEAR_SHAPES if not small else [(256, 256)]
+    for (n, k), m in [(s, m) for s in shapes for m in ((1, 32, 128) if not small else (4,))]:
+        sets = []
+        for i in range(4):
+            w = quantize(jax.random.normal(jax.random.key(70 + i), (n, k), jnp.float32) * 0.02)
+            x = jax.random.normal(jax.random.key(80 + i), (m, k), jnp.float32).astype(BF16)
+            sets.append((x, w.values, w.scale, w.dense(BF16)))
+        flops, nbytes = 2 * m * n * k, n * k + 4 * (n // 128) * (k // 128) + 2 * m * (n + k)
+        shape = f"m{m} n{n} k{k}"
+        t_dense = record(
+            "fp8_linear", shape, "dense on use (no kernels)", fp8_linear(None), sets, flops, nbytes
+        )
+        ref = (fp8_linear("ref"), lambda y: y)
+        record(
+            "fp8_linear",
+            shape,
+            "act quant + fp8_gemm (auto)",
+            fp8_linear("auto"),
+            sets,
+            flops,
+            nbytes,
+            t_dense,
+            ref,
+        )
+        bf16 = lambda x, v, s, wb: linear(x, wb)  # noqa: E731
+        record("fp8_linear", shape, "bf16 weight (2x the bytes)", bf16, sets, flops, nbytes + n * k, t_dense)
 
 
 def plot(rows, path):
@@ -543,7 +588,8 @@ if __name__ == "__main__":
         "--only",
         default="attn,index,topk,moe,fp8",
         help="comma list of sections: attn (sparse decode attention), index (indexer scores + top-k), topk, moe, "
-        "fp8, attn_blocks (not in the default: the sparse decode at b 64 over 1 to 5 key blocks per split)",
+        "fp8, attn_blocks (not in the default: the sparse decode at b 64 over 1 to 5 key blocks per split), "
+        "fp8_linear (not in the default: the model's FP8 projections with and without fp8_gemm)",
     )
     args = ap.parse_args()
     run(

@@ -1,6 +1,6 @@
 """djax: the DeepSeek model family (V4, V3) and its inference engine as pure JAX functions."""
 
-from djax.checkpoint import CheckpointError, load_checkpoint, save_pretrained
+from djax.checkpoint import CheckpointError, load_checkpoint, quantize_projections, save_pretrained
 from djax.config import PRESETS, ModelConfig, SamplingParams, preset
 from djax.engine import LLM, CompletionOutput, Engine, EngineConfig, RequestOutput, RequestParams
 from djax.eplb import (
@@ -32,6 +32,7 @@ __all__ = [
     "evaluate",
     "expert_counts",
     "plan",
+    "quantize_projections",
     "rebalance",
     "rebalance_global",
     "rebalance_hierarchical",

@@ -418,6 +418,21 @@ def _fp8_eligible(name: str, p: Param) -> bool:
     )
 
 
+def quantize_projections(params: Any, config: ModelConfig, block: tuple[int, int] = DEFAULT_BLOCK) -> Any:
+    """params with every matrix DeepSeek ships in FP8 (the 2-D projections: not the embedding, head,
+    router, stacked experts or float32-declared weights) as an FP8 QArray with `block` scales, the way a
+    checkpoint saved with fp8=True loads them. Leaves already quantized are kept."""
+    flat = flatten_names(params)
+    tree = model_module(config).declare(config, with_mtp=any(n.startswith("mtp.") for n in flat))
+    decl = {k: v for k, v in flatten_names(tree).items() if is_param(v)}
+    out = {}
+    for name, w in flat.items():
+        p = decl.get(name)
+        eligible = p is not None and not isinstance(w, QArray) and _fp8_eligible(name, p)
+        out[name] = quantize(w, block) if eligible else w
+    return unflatten_names(out, params)
+
+
 def _disk_tensors(params: Any, config: ModelConfig, fp8: bool) -> tuple[list[dict[str, Lazy]], set]:
     """Per weight (per expert), its on-disk tensors under DeepSeek's names; and the quant blocks used."""
     flat = flatten_names(params)

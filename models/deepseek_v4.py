@@ -39,10 +39,11 @@ from djax.quant import dense
 F32 = jnp.float32
 NEG_INF = -jnp.inf
 
-# `kernels`, an argument of the step functions: how decode steps (chunks of one token) run attention and
-# the indexer. "auto": the Triton kernels of djax.kernels where they apply (CUDA with Triton, bf16,
-# kernel-friendly shapes), the jnp path below everywhere else; "ref": through the kernels' jnp references
-# on any backend (tests the plumbing); "off": always the jnp path.
+# `kernels`, an argument of the step functions: how decode steps (chunks of one token) run attention, the
+# indexer and the FP8 projections (weights `layers.takes_fp8_gemm` accepts: activations quantized 1x128,
+# then `fp8_gemm`; other weights are made dense first). "auto": the kernels of djax.kernels where they
+# apply (CUDA with Triton, bf16, kernel-friendly shapes), the jnp path below everywhere else; "ref":
+# through the kernels' jnp references on any backend (tests the plumbing); "off": always the jnp path.
 KERNEL_CHOICES = ("auto", "ref", "off")
 
 
@@ -297,6 +298,7 @@ def compressor_extend(
     overlap: bool,
     width: int,
     index=None,
+    fp8: str | None = None,
 ):
     """Feed the chunk x [b, c, d] (positions pos0 + j, the first `valid` real) to one compressor.
 
@@ -309,9 +311,9 @@ def compressor_extend(
     b, c, _ = x.shape
     ring = st[kv_k].shape[1]
     m = ratio
-    raw_kv = linear(x, p["wkv"]["weight"]).astype(st[kv_k].dtype)
+    raw_kv = linear(x, p["wkv"]["weight"], fp8).astype(st[kv_k].dtype)
     if "wgate" in p:
-        raw_gate = linear(x, p["wgate"]["weight"]).astype(st[gate_k].dtype)
+        raw_gate = linear(x, p["wgate"]["weight"], fp8).astype(st[gate_k].dtype)
     else:  # ratio 1: a window of one token, its softmax weight is 1
         raw_gate = jnp.zeros_like(raw_kv).astype(st[gate_k].dtype)
     ape = p["ape"] if "ape" in p else 0.0
@@ -340,7 +342,7 @@ def compressor_extend(
     st[pool_k] = _set_rows(pool, target, entries)
     if index is not None:  # V4.1: the index key is a projection of the (un-rotated) latent
         wk, k_norm = index
-        ikey = rms_norm(linear(latent, wk["weight"]), k_norm["weight"], cfg.rms_norm_eps)
+        ikey = rms_norm(linear(latent, wk["weight"], fp8), k_norm["weight"], cfg.rms_norm_eps)
         ikey = _rotate(ikey, w * m, _rope(cfg, CSA), heads=False)
         st["index_pool"] = _set_rows(st["index_pool"], target, ikey)
     first = valid  # the new ring holds positions pos0 + valid - R .. pos0 + valid - 1
@@ -375,6 +377,12 @@ def _decode_impl(c: int, dtype, triton_shapes: bool, kernels: str) -> str | None
     return "auto" if fast and triton_shapes else None
 
 
+def _fp8_impl(x: jax.Array, kernels: str) -> str | None:
+    """The `fp8_gemm` impl for the FP8 projections of a chunk x [b, c, d] under `kernels`, or None: the
+    weights made dense (every chunk but a decode step's, and "off")."""
+    return _decode_impl(x.shape[1], x.dtype, True, kernels)
+
+
 def _index_impl(c: int, q: jax.Array, kernels: str) -> str | None:
     """Kernel impl for the indexer's scores at decode (q [b, t, H, c]); the Triton kernel needs H, c powers of two."""
     return _decode_impl(c, q.dtype, _pow2(q.shape[-2]) and _pow2(q.shape[-1]), kernels)
@@ -396,34 +404,34 @@ def _topk_picks(scores: jax.Array, k: int, impl: str) -> tuple[jax.Array, jax.Ar
     return jnp.maximum(idx, 0)[:, None], (idx >= 0)[:, None]
 
 
-def _indexer_query(p: dict, x: jax.Array, q_res: jax.Array, pos: jax.Array, cfg: ModelConfig):
-    q = linear(q_res, p["wq_b"]["weight"])
+def _indexer_query(p: dict, x: jax.Array, q_res: jax.Array, pos: jax.Array, cfg: ModelConfig, fp8=None):
+    q = linear(q_res, p["wq_b"]["weight"], fp8)
     q = q.reshape(*q.shape[:-1], cfg.index_n_heads, cfg.index_head_dim)
     q = _rotate(q, pos, _rope(cfg, CSA), heads=True)
-    return q, linear(x, p["weights_proj"]["weight"])
+    return q, linear(x, p["weights_proj"]["weight"], fp8)
 
 
 # ---- attention ----------------------------------------------------------------------------------------------
-def _q_kv(p: dict, x: jax.Array, pos: jax.Array, cfg: ModelConfig, inv_freq):
+def _q_kv(p: dict, x: jax.Array, pos: jax.Array, cfg: ModelConfig, inv_freq, fp8=None):
     h, k = cfg.num_attention_heads, cfg.head_dim
-    q_res = rms_norm(linear(x, p["wq_a"]["weight"]), p["q_norm"]["weight"], cfg.rms_norm_eps)
-    q = linear(q_res, p["wq_b"]["weight"]).reshape(*x.shape[:-1], h, k)
+    q_res = rms_norm(linear(x, p["wq_a"]["weight"], fp8), p["q_norm"]["weight"], cfg.rms_norm_eps)
+    q = linear(q_res, p["wq_b"]["weight"], fp8).reshape(*x.shape[:-1], h, k)
     if cfg.q_head_norm:
         q = unit_rms_norm(q, cfg.rms_norm_eps)
     q = _rotate(q, pos, inv_freq, heads=True)
-    kv = rms_norm(linear(x, p["wkv"]["weight"]), p["kv_norm"]["weight"], cfg.rms_norm_eps)
+    kv = rms_norm(linear(x, p["wkv"]["weight"], fp8), p["kv_norm"]["weight"], cfg.rms_norm_eps)
     kv = _rotate(kv, pos, inv_freq, heads=False)
     return q_res, q, kv
 
 
-def _output(p: dict, o: jax.Array, pos: jax.Array, cfg: ModelConfig, inv_freq) -> jax.Array:
+def _output(p: dict, o: jax.Array, pos: jax.Array, cfg: ModelConfig, inv_freq, fp8=None) -> jax.Array:
     """De-rotate the output's rope slice at the query position, then the grouped output LoRA."""
     o = _rotate(o, pos, inv_freq, heads=True, inverse=True)
     g = cfg.o_groups
     grouped = o.reshape(*o.shape[:-2], g, -1)  # [..., g, h k / g]
     wa = dense(p["wo_a"]["weight"], o.dtype).reshape(g, cfg.o_lora_rank, -1)
     y = jnp.einsum("...gi,goi->...go", grouped, wa)
-    return linear(y.reshape(*y.shape[:-2], -1), p["wo_b"]["weight"])
+    return linear(y.reshape(*y.shape[:-2], -1), p["wo_b"]["weight"], fp8)
 
 
 def _softmax_with_sink(logits: jax.Array, sinks: jax.Array) -> jax.Array:
@@ -462,16 +470,17 @@ def _shared_compressed(
     index source's selection through `sel`.
     """
     ratio, src = cfg.compress_ratios[layer], cfg.kv_source(layer)
+    fp8 = _fp8_impl(x, kernels)
     if src == layer:
         ix = p["indexer"]
         compressor_extend(
             p["compressor"], x, st, ("pool", "ring_kv", "ring_gate"), pos0, valid, cfg, ratio, False,
-            cfg.head_dim, index=(ix["wk"], ix["k_norm"]),
+            cfg.head_dim, index=(ix["wk"], ix["k_norm"]), fp8=fp8,
         )  # fmt: skip
         shared = st
     pool, ipool = shared["pool"], shared["index_pool"]
     if layer in cfg.index_source_layer_ids:
-        iq, iw = _indexer_query(p["indexer"], x, q_res, pos, cfg)
+        iq, iw = _indexer_query(p["indexer"], x, q_res, pos, cfg, fp8)
         impl = _index_impl(x.shape[1], iq, kernels)
         scores = _visible_scores(iq, ipool, iw, pos, ratio, cfg, impl)
         cs = cfg.candidate_source_layer_id
@@ -511,7 +520,8 @@ def attention_extend(
     ltype, ratio = cfg.layer_type(layer), cfg.compress_ratios[layer]
     inv_freq = _rope(cfg, ltype)
     pos = pos0[:, None] + jnp.arange(c)  # [b, c]
-    q_res, q, kv = _q_kv(p, x, pos, cfg, inv_freq)  # q [b, c, h, k]; kv [b, c, k]
+    fp8 = _fp8_impl(x, kernels)
+    q_res, q, kv = _q_kv(p, x, pos, cfg, inv_freq, fp8)  # q [b, c, h, k]; kv [b, c, k]
     win, r = cfg.sliding_window, st["window"].shape[1]  # a ring larger than the window allows rollback
     keys = jnp.concatenate([ordered_ring(st["window"], pos0 - r), kv.astype(st["window"].dtype)], axis=1)
     kpos = pos0[:, None] - r + jnp.arange(r + c)  # [b, R + c]
@@ -535,6 +545,7 @@ def attention_extend(
             ratio,
             ltype == CSA,
             cfg.head_dim,
+            fp8=fp8,
         )
         pool = st["pool"]
         cap = pool.shape[1]
@@ -552,8 +563,9 @@ def attention_extend(
                 ratio,
                 True,
                 cfg.index_head_dim,
+                fp8=fp8,
             )
-            iq, iw = _indexer_query(ip, x, q_res, pos, cfg)
+            iq, iw = _indexer_query(ip, x, q_res, pos, cfg, fp8)
             impl = _index_impl(c, iq, kernels)
             scores = _visible_scores(iq, st["index_pool"], iw, pos, ratio, cfg, impl)
             if impl is None:
@@ -567,7 +579,7 @@ def attention_extend(
     impl = _decode_impl(c, q.dtype, h % 32 == 0 and _pow2(k), kernels)
     if impl is not None:  # decode through the kernel (sparse_decode_ref's math = the softmax below)
         o = _sparse_decode(q, keys, win_mask, comp, p["attn_sink"], scale, impl)
-        return _output(p, o, pos, cfg, inv_freq), st
+        return _output(p, o, pos, cfg, inv_freq, fp8), st
     logits = [jnp.einsum("bthk,bsk->bhts", q.astype(F32), keys.astype(F32)) * scale]
     masks, values = [win_mask], [keys]
     if comp is not None and comp[1] is None:  # HCA: every visible entry
@@ -582,7 +594,7 @@ def attention_extend(
         jnp.where(mask[:, None], jnp.concatenate(logits, axis=-1), NEG_INF), p["attn_sink"]
     )
     o = jnp.einsum("bhts,bsk->bthk", probs, jnp.concatenate(values, axis=1).astype(F32)).astype(x.dtype)
-    return _output(p, o, pos, cfg, inv_freq), st
+    return _output(p, o, pos, cfg, inv_freq, fp8), st
 
 
 def _sparse_decode(q, keys, win_mask, comp, sinks, scale: float, impl: str) -> jax.Array:
@@ -771,7 +783,7 @@ def run_layers(
             x, post, comb, pre = _sublayer_mix(h, pre, lp, "hc_ffn", cfg)
             real = jnp.arange(toks.shape[1])[None, :] < vl[:, None]
             xn = rms_norm(x, lp["ffn_norm"]["weight"], cfg.rms_norm_eps)
-            y, cnt = moe_with_counts(xn, lp["ffn"], cfg, toks, moe_impl, real)
+            y, cnt = moe_with_counts(xn, lp["ffn"], cfg, toks, moe_impl, real, _fp8_impl(xn, kernels))
             counts.append(cnt)
             h = hc_post(y, h, post, comb)
             new_layers.append(st)

@@ -9,7 +9,7 @@ import jax.numpy as jnp
 import numpy as np
 
 from djax.config import ModelConfig
-from djax.quant import dense
+from djax.quant import QArray, dense
 
 
 def rms_norm(x: jax.Array, weight: jax.Array | None, eps: float) -> jax.Array:
@@ -27,8 +27,30 @@ def unit_rms_norm(x: jax.Array, eps: float) -> jax.Array:
     return x * scale.astype(x.dtype)
 
 
-def linear(x: jax.Array, w: jax.Array) -> jax.Array:
-    """x @ w.T with w in torch layout [out, in]."""
+def takes_fp8_gemm(w) -> bool:
+    """Whether w is an FP8 weight in DeepGEMM's layout, which `fp8_gemm` reads as it is: an e4m3 QArray
+    [out, in] with 128x128 scale blocks, out and in multiples of 128 (V3 and V4-Flash checkpoints; V4.1's
+    32x32 blocks and FP4 experts are not)."""
+    if not isinstance(w, QArray) or w.is_fp4 or w.values.ndim != 2 or tuple(w.block) != (128, 128):
+        return False
+    o, i = w.values.shape
+    return w.values.dtype == jnp.float8_e4m3fn and o % 128 == 0 and i % 128 == 0
+
+
+def linear(x: jax.Array, w: jax.Array, fp8: str | None = None) -> jax.Array:
+    """x @ w.T with w in torch layout [out, in].
+
+    With `fp8` (an impl of `djax.kernels.fp8_gemm`) and a weight `takes_fp8_gemm` accepts, the product runs
+    as DeepSeek's inference runs it: x quantized to e4m3 per row and 128 columns (dynamic 1x128 scales),
+    then the block-scaled FP8 GEMM, which reads the narrow weight as stored. Otherwise, and for fp8 None,
+    the weight is made dense in x's dtype first."""
+    if fp8 is not None and takes_fp8_gemm(w):
+        from djax.kernels.fp8_gemm import fp8_gemm
+        from djax.kernels.fp8_gemm_ref import quantize_act
+
+        a, a_scale = quantize_act(x.reshape(-1, x.shape[-1]))
+        y = fp8_gemm(a, a_scale, w.values, w.scale.astype(jnp.float32), out_dtype=x.dtype, impl=fp8)
+        return y.reshape(*x.shape[:-1], y.shape[-1])
     return jnp.einsum("...i,oi->...o", x, dense(w, x.dtype))
 
 
@@ -110,10 +132,13 @@ def apply_rope_halves(x: jax.Array, cos: jax.Array, sin: jax.Array) -> jax.Array
 
 
 # ---- MLP -------------------------------------------------------------------------------------------
-def swiglu(x: jax.Array, w1: jax.Array, w2: jax.Array, w3: jax.Array, limit: float = 0.0) -> jax.Array:
-    """w2(silu(w1 x) * w3 x); with limit > 0 the gate is clamped above and the up branch on both sides."""
-    gate, up = linear(x, w1), linear(x, w3)
+def swiglu(
+    x: jax.Array, w1: jax.Array, w2: jax.Array, w3: jax.Array, limit: float = 0.0, fp8: str | None = None
+) -> jax.Array:
+    """w2(silu(w1 x) * w3 x); with limit > 0 the gate is clamped above and the up branch on both sides.
+    `fp8`: as for `linear`."""
+    gate, up = linear(x, w1, fp8), linear(x, w3, fp8)
     if limit > 0:
         gate = jnp.minimum(gate, limit)
         up = jnp.clip(up, -limit, limit)
-    return linear(jax.nn.silu(gate) * up, w2)
+    return linear(jax.nn.silu(gate) * up, w2, fp8)

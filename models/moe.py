@@ -194,9 +194,11 @@ def moe_with_counts(
     token_ids: jax.Array | None,
     impl: str | ExpertParallel = "grouped",
     valid: jax.Array | None = None,
+    fp8: str | None = None,
 ) -> tuple[jax.Array, jax.Array]:
     """`moe` plus the router's load: (out [..., d], counts int32[e]) where counts[x] is the number of
-    (token, choice) pairs routed to logical expert x among the tokens where `valid` (bool[...]) holds."""
+    (token, choice) pairs routed to logical expert x among the tokens where `valid` (bool[...]) holds.
+    `fp8`: how the shared experts' FP8 projections run (`layers.linear`)."""
     shape = x.shape
     flat = x.reshape(-1, shape[-1])
     ids = None if token_ids is None else token_ids.reshape(-1)
@@ -228,7 +230,7 @@ def moe_with_counts(
     else:
         raise ValueError(f"unknown moe impl {impl!r}; choose one of {sorted(impls)} or an ExpertParallel")
     sh = p["shared_experts"]
-    shared = swiglu(flat, sh["w1"]["weight"], sh["w2"]["weight"], sh["w3"]["weight"], limit)
+    shared = swiglu(flat, sh["w1"]["weight"], sh["w2"]["weight"], sh["w3"]["weight"], limit, fp8)
     return (routed + shared).reshape(shape), counts
 
 

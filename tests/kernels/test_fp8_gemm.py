@@ -147,10 +147,19 @@ def test_triton_interpreted_split_k(m, n, k, cfg):
 
 def test_dense_config_splits_k_for_decode():
     dec = dense_config(64, 4096, 7168)
-    assert dec.split_k > 1 and dec.block_m == 64 and 128 % dec.block_n == 0
-    # enough programs for the H200's 132 SMs at the decode shape
-    assert (4096 // dec.block_n) * dec.split_k >= 100
+    assert dec.split_k == 4 and dec.block_m == 64 and 128 % dec.block_n == 0  # the measured best there
     assert dense_config(4096, 4096, 7168) == DEFAULT_CFG and DEFAULT_CFG.split_k == 1
+    # K splits until 256 programs (two per SM), as few as give that; each split two K blocks or more
+    for (m, n, k), split in {
+        (1, 32768, 1024): 1,  # 512 tiles already
+        (32, 2048, 4096): 8,  # 32 tiles x 8
+        (32, 4096, 2048): 4,
+        (128, 4096, 8192): 2,  # 128 x 128 tiles would be 32 programs: 2 x 64 tiles x 2
+        (5, 256, 384): 1,  # 3 K blocks: no split leaves two in each
+    }.items():
+        cfg = dense_config(m, n, k)
+        assert cfg.block_m == 64 and cfg.split_k == split, (m, n, k, cfg)
+    assert dense_config(128, 32768, 1024) == DEFAULT_CFG  # 256 tiles of 128 x 128 fill the SMs
 
 
 def test_auto_takes_tilelang_at_prefill_shapes_on_cuda(monkeypatch):

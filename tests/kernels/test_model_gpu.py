@@ -1,6 +1,8 @@
 """On a CUDA GPU: the model with its fast paths ("grouped" MoE = the Triton grouped GEMMs there) against the
 slow twin ("dense" MoE), in bf16, measured against a float32 run of the slow twin."""
 
+import functools
+
 import jax
 import jax.numpy as jnp
 import numpy as np
@@ -74,18 +76,40 @@ def test_forward_and_decode_fast_paths_within_bf16_error(name):
     assert err_fast <= 2 * err_slow + 1e-3, (err_fast, err_slow)
 
 
+def _decode_logits(params, cfg, tokens, lens, kernels: str, steps: int = 12):
+    """Prefill row r's first lens[r] of tokens [b, 96] (a prompt of 64), then `steps` decode steps, each fed
+    the row's next token, under `kernels`: the logits [steps, b, vocab]."""
+    from djax.models import deepseek_v4 as v4
+
+    prompt = jnp.where(jnp.arange(64)[None] < lens[:, None], tokens[:, :64], 0)
+    _, state = djax.prefill(params, prompt, lens, cfg, max_len=96)
+    step = jax.jit(functools.partial(v4.decode_step, cfg=cfg, kernels=kernels))
+    out = []
+    for _ in range(steps):
+        tok = jnp.take_along_axis(tokens, state["lengths"][:, None], axis=1)[:, 0]
+        logits, state = step(params, tok, state)
+        out.append(logits)
+    return jnp.stack(out)
+
+
+def _record_launches(monkeypatch) -> list:
+    """The entry names of the Triton / TileLang pointer kernels enqueued from now on (a list that grows)."""
+    from djax.ffi import cubin
+
+    launched, launch = [], cubin.launch
+    monkeypatch.setattr(cubin, "launch", lambda kern, *a: launched.append(kern.name) or launch(kern, *a))
+    return launched
+
+
 @pytest.mark.parametrize("name, heads", [("tiny-v4", 32), ("tiny-v41", 32), ("tiny-v4", 64)])
 def test_decode_kernels_auto_within_bf16_error(name, heads, monkeypatch):
     """Decode with kernels="auto" (sparse_decode and index_scores kernels) against the jnp path ("off"),
     both bf16, judged against a float32 run of the jnp path. 32 heads of 64 take the Triton attention
     kernel, 64 heads the TileLang one (where TileLang is installed); 16 indexer heads of 16 meet the
     indexer kernel's rules; rows of different lengths, the shortest with empty HCA / CSA pools at first."""
-    import functools
     import importlib.util
 
-    from djax.ffi import cubin
     from djax.kernels import indexer, partition, sparse_attn, sparse_attn_tilelang
-    from djax.models import deepseek_v4 as v4
 
     # Fresh traces: the ops are counted when traced, and an earlier case with the same indexer shapes
     # would otherwise reuse its cached trace of the partitioned indexer and record no call.
@@ -106,7 +130,6 @@ def test_decode_kernels_auto_within_bf16_error(name, heads, monkeypatch):
     p32 = jax.tree.map(lambda w: w.astype(jnp.float32) if w.dtype == jnp.bfloat16 else w, pbf)
     tokens = jax.random.randint(jax.random.key(1), (4, 96), 0, cfg.vocab_size)
     lens = jnp.array([64, 40, 17, 5], jnp.int32)
-    prompt = jnp.where(jnp.arange(64)[None] < lens[:, None], tokens[:, :64], 0)
 
     calls = []
 
@@ -121,24 +144,11 @@ def test_decode_kernels_auto_within_bf16_error(name, heads, monkeypatch):
     patch.append((sparse_attn_tilelang, "sparse_decode_tilelang"))
     for module, name in patch:
         monkeypatch.setattr(module, name, counting(name, getattr(module, name)))
-    launched = []  # the Triton / TileLang pointer kernels enqueued, by entry name
-    launch = cubin.launch
-    monkeypatch.setattr(cubin, "launch", lambda kern, *a: launched.append(kern.name) or launch(kern, *a))
-
-    def decode(p, c, mode):
-        _, state = djax.prefill(p, prompt, lens, c, max_len=96)
-        step = jax.jit(functools.partial(v4.decode_step, cfg=c, kernels=mode))
-        out = []
-        for _ in range(12):
-            tok = jnp.take_along_axis(tokens, state["lengths"][:, None], axis=1)[:, 0]
-            logits, state = step(p, tok, state)
-            out.append(logits)
-        return jnp.stack(out)
-
-    truth = decode(p32, cfg, "off")
-    slow = decode(pbf, bf, "off")
+    launched = _record_launches(monkeypatch)
+    truth = _decode_logits(p32, cfg, tokens, lens, "off")
+    slow = _decode_logits(pbf, bf, tokens, lens, "off")
     assert not calls
-    fast = decode(pbf, bf, "auto")
+    fast = _decode_logits(pbf, bf, tokens, lens, "auto")
     layers = cfg.num_hidden_layers
     assert [i for n, i in calls if n == "sparse_decode"] == ["auto"] * layers, calls
     tilelang = heads % 64 == 0 and importlib.util.find_spec("tilelang") is not None
@@ -147,4 +157,42 @@ def test_decode_kernels_auto_within_bf16_error(name, heads, monkeypatch):
     assert calls.count(("index_scores", "auto")) >= 1, calls
     assert "index_scores_kernel" in launched, launched  # "auto" took the Triton indexer
     err_slow, err_fast = _rel(slow, truth), _rel(fast, truth)
+    assert err_fast <= 2 * err_slow + 1e-3, (err_fast, err_slow)
+
+
+def test_decode_fp8_projections_auto_within_bf16_error(monkeypatch):
+    """An FP8 model (projections as e4m3 with 128x128 scales, `quantize_projections`) decoding with
+    kernels="auto" (activations quantized 1x128, then fp8_gemm's CUDA kernel) against kernels="ref" (the same
+    quantization, fp8_gemm's jnp reference), both bf16, judged against a float32 run of "ref"."""
+    from djax.kernels import fp8_gemm as kfp8
+
+    jax.clear_caches()
+    cfg = djax.preset("tiny-v4").replace(
+        hidden_size=256,
+        q_lora_rank=128,
+        o_lora_rank=64,
+        moe_intermediate_size=256,
+        n_routed_experts=16,
+        hc_sinkhorn_unroll=False,
+        num_attention_heads=32,
+        head_dim=64,
+    )
+    bf = cfg.replace(dtype="bfloat16")
+    pbf = djax.quantize_projections(djax.init_params(bf, jax.random.key(0)), bf)
+    p32 = jax.tree.map(lambda w: w.astype(jnp.float32) if w.dtype == jnp.bfloat16 else w, pbf)
+    tokens = jax.random.randint(jax.random.key(1), (4, 96), 0, cfg.vocab_size)
+    lens = jnp.array([64, 40, 17, 5], jnp.int32)
+
+    impls = []
+    fp8_gemm = kfp8.fp8_gemm
+    monkeypatch.setattr(kfp8, "fp8_gemm", lambda *a, **kw: impls.append(kw["impl"]) or fp8_gemm(*a, **kw))
+    launched = _record_launches(monkeypatch)
+    truth = _decode_logits(p32, cfg, tokens, lens, "ref")
+    slow = _decode_logits(pbf, bf, tokens, lens, "ref")
+    assert impls and set(impls) == {"ref"}, impls
+    impls.clear()
+    fast = _decode_logits(pbf, bf, tokens, lens, "auto")
+    assert impls and set(impls) == {"auto"}, impls
+    assert "fp8_gemm_kernel" in launched, launched  # Triton's FP8 GEMM at these decode shapes
+    err_slow, err_fast = _typical_rel(slow, truth), _typical_rel(fast, truth)
     assert err_fast <= 2 * err_slow + 1e-3, (err_fast, err_slow)

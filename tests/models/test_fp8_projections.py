@@ -1,0 +1,146 @@
+"""FP8 projections through `fp8_gemm`: `layers.linear` with an FP8 weight in DeepGEMM's layout quantizes the
+activations 1x128 and runs the block-scaled GEMM; the model does so at decode steps under kernels "ref" and
+"auto", and makes the weight dense everywhere else."""
+
+import jax
+import jax.numpy as jnp
+import ml_dtypes
+import numpy as np
+import pytest
+
+from djax.checkpoint import quantize_projections
+from djax.config import preset
+from djax.kernels import fp8_gemm as kfp8
+from djax.models import deepseek_v4 as v4
+from djax.models.layers import linear, takes_fp8_gemm
+from djax.params import flatten_names, init_params_host
+from djax.quant import QArray, quantize
+
+FAST_COMPILE = {"xla_backend_optimization_level": 0}
+
+
+def _numpy_fp8_linear(x, w: QArray):
+    """Brute force: each row's 128-column groups scaled to a max of 448, rounded to e4m3 (ml_dtypes), times
+    the dequantized weight, in float64."""
+    x = np.asarray(x, np.float64).reshape(-1, x.shape[-1])
+    m, k = x.shape
+    groups = x.reshape(m, k // 128, 128)
+    scale = np.maximum(np.abs(groups).max(-1, keepdims=True), 1e-12) / 448.0
+    q = (groups / scale).astype(np.float32).astype(ml_dtypes.float8_e4m3fn).astype(np.float64)
+    xq = (q * scale).reshape(m, k)
+    s = np.repeat(np.repeat(np.asarray(w.scale, np.float64), 128, 0), 128, 1)
+    wd = np.asarray(w.values).astype(np.float64) * s[: w.values.shape[0], : w.values.shape[1]]
+    return xq @ wd.T
+
+
+def test_linear_fp8_ref_matches_numpy():
+    kx, kw = jax.random.split(jax.random.key(0))
+    # uneven magnitudes, so that every activation group and weight block has a scale of its own
+    x = jax.random.normal(kx, (2, 3, 256), jnp.float32) * jnp.linspace(0.1, 4.0, 256)
+    uneven = jnp.linspace(0.2, 3.0, 384)[:, None] * jnp.linspace(3.0, 0.5, 256)[None, :]
+    w = quantize(jax.random.normal(kw, (384, 256), jnp.float32) * 0.05 * uneven)
+    assert takes_fp8_gemm(w)
+    got = np.asarray(linear(x, w, fp8="ref"), np.float64).reshape(6, 384)
+    want = _numpy_fp8_linear(x, w)
+    assert np.abs(got - want).max() <= 1e-5 * np.abs(want).max()
+    # the activations' rounding is there: the dense path differs by far more than float32 error
+    plain = np.asarray(linear(x, w), np.float64).reshape(6, 384)
+    assert np.abs(plain - want).max() > 1e-3 * np.abs(want).max()
+
+
+@pytest.mark.parametrize(
+    "make",
+    [
+        lambda w: w.astype(jnp.bfloat16),  # a plain weight
+        lambda w: quantize(w, (32, 32)),  # V4.1's 32x32 blocks
+        lambda w: quantize(w[:192]),  # out not a multiple of 128
+    ],
+    ids=["plain", "blocks32", "out192"],
+)
+def test_linear_fp8_falls_back_to_dense(make):
+    x = jax.random.normal(jax.random.key(2), (4, 256), jnp.float32)
+    w = make(jax.random.normal(jax.random.key(3), (256, 256), jnp.float32) * 0.05)
+    assert not takes_fp8_gemm(w)
+    np.testing.assert_array_equal(np.asarray(linear(x, w, fp8="ref")), np.asarray(linear(x, w)))
+
+
+def _config():
+    """tiny-v4 with 128-multiple projections (q LoRA, q, output LoRA, shared experts) and SWA, CSA, HCA layers."""
+    return preset("tiny-v4").replace(
+        num_nextn_predict_layers=0,
+        num_hidden_layers=3,
+        compress_ratios=(0, 4, 16),
+        num_hash_layers=1,
+        hidden_size=256,
+        q_lora_rank=128,
+        num_attention_heads=2,
+        head_dim=64,
+        qk_rope_head_dim=16,
+        o_lora_rank=64,
+        o_groups=2,
+        moe_intermediate_size=128,
+    )
+
+
+def test_quantize_projections_takes_the_projections_only():
+    cfg = _config()
+    params = init_params_host(cfg)
+    flat = flatten_names(quantize_projections(params, cfg))
+    quantized = {n for n, w in flat.items() if isinstance(w, QArray)}
+    assert "layers.0.attn.wq_b.weight" in quantized and "layers.1.ffn.shared_experts.w2.weight" in quantized
+    for name in ("embed.weight", "head.weight", "layers.0.ffn.gate.weight", "layers.1.ffn.experts.w1"):
+        assert name in flat and name not in quantized
+    assert all(flat[n].values.dtype == jnp.float8_e4m3fn and flat[n].block == (128, 128) for n in quantized)
+
+
+def test_decode_runs_fp8_projections_through_fp8_gemm(monkeypatch):
+    """kernels="ref": every 128-multiple projection of a decode step goes through fp8_gemm (once per trace),
+    a prefill chunk through none; the logits stay near the dense path's, which does not round activations."""
+    cfg = _config()
+    params = quantize_projections(init_params_host(cfg), cfg)
+    expected = sorted(
+        tuple(w.values.shape)
+        for name, w in flatten_names(params).items()
+        if takes_fp8_gemm(w) and not name.endswith("wo_a.weight")  # wo_a: a grouped einsum, made dense
+    )
+    assert len(expected) >= 12
+    calls = []
+    fp8_gemm = kfp8.fp8_gemm
+
+    def counting(a, a_scale, b, b_scale, **kw):
+        calls.append(tuple(b.shape))
+        return fp8_gemm(a, a_scale, b, b_scale, **kw)
+
+    monkeypatch.setattr(kfp8, "fp8_gemm", counting)
+
+    b, n = 2, 24
+    tokens = jax.random.randint(jax.random.key(4), (b, n), 0, cfg.vocab_size)
+
+    def run(p, t, mode):
+        def step(state, tok):
+            h, state = v4.extend(p, tok[:, None], state, cfg, kernels=mode)
+            return state, v4.logits_from_hidden(p, h[:, 0], cfg)
+
+        return jax.lax.scan(step, v4.init_state(cfg, b, n + 8), t.T)[1]
+
+    out = {}
+    for mode in ("off", "ref"):
+        calls.clear()
+        compiled = (
+            jax.jit(lambda p, t, mode=mode: run(p, t, mode)).lower(params, tokens).compile(FAST_COMPILE)
+        )
+        out[mode] = np.asarray(compiled(params, tokens))
+        assert sorted(calls) == ([] if mode == "off" else expected), mode
+
+    calls.clear()
+    jax.eval_shape(lambda p, t: v4.extend(p, t, v4.init_state(cfg, b, n), cfg, kernels="ref"), params, tokens)
+    assert calls == []  # a prefill chunk makes the weights dense
+
+    # Rounding the activations to e4m3 (3 mantissa bits: a relative error of up to 2^-4, 3.6% rms) moves each
+    # projection's output by about 3.6% rms; through three layers of this random-weight model the median over
+    # steps and rows of the largest logit error measured 0.049 of the largest logit (0.13 at the worst row).
+    # A missing activation scale moves the logits by orders of magnitude; where each scale goes is checked
+    # element by element in test_linear_fp8_ref_matches_numpy.
+    scale = np.abs(out["off"]).max()
+    typical = np.median(np.abs(out["ref"] - out["off"]).max(-1)) / scale
+    assert 1e-4 < typical < 0.1, typical
