@@ -45,7 +45,7 @@ def linear(x: jax.Array, w: jax.Array, fp8: str | None = None) -> jax.Array:
     then the block-scaled FP8 GEMM, which reads the narrow weight as stored. Otherwise, and for fp8 None,
     the weight is made dense in x's dtype first."""
     if fp8 is not None and takes_fp8_gemm(w):
-        from djax.kernels.fp8_gemm import fp8_gemm
+        from djax.kernels.fp8_gemm import fp8_gemm  # here: the kernel modules import Triton
         from djax.kernels.fp8_gemm_ref import quantize_act
 
         a, a_scale = quantize_act(x.reshape(-1, x.shape[-1]))
