@@ -9,6 +9,8 @@ from pathlib import Path
 
 import jax
 
+H200_SMS = 132  # the SMs of the GPU the default tilings are sized for (grids that fill it once or twice)
+
 
 def on_cuda() -> bool:
     """True when JAX's default backend is a CUDA GPU."""

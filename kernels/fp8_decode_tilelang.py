@@ -81,7 +81,7 @@ def decode_program(m: int, n: int, k: int, tiling):
       alive until the others have read it."""
     import tilelang.language as T
 
-    from djax.kernels.fp8_gemm_tilelang import BLOCK
+    from djax.kernels.fp8_gemm_tilelang import BLOCK, operand_types
 
     bn, ns, split, kg = tiling.block_n, tiling.stages, tiling.split_k, tiling.k_groups
     kb = k // BLOCK
@@ -176,14 +176,10 @@ def decode_program(m: int, n: int, k: int, tiling):
             T.cluster_arrive()
             T.cluster_wait()
 
+    A_t, AS_t, B_t, BS_t, C_t = operand_types(T, m, n, k)
+
     @T.prim_func
-    def fp8_gemm(
-        A: T.Tensor((m, k), fp8),
-        AS: T.Tensor((m, kb), f32),
-        B: T.Tensor((n, k), fp8),
-        BS: T.Tensor((n // BLOCK, kb), f32),
-        C: T.Tensor((m, n), "bfloat16"),
-    ):
+    def fp8_gemm(A: A_t, AS: AS_t, B: B_t, BS: BS_t, C: C_t):
         with T.Kernel(n // bn, 1, split, threads=producer + 128) as (bx, by, bz):
             a_s = T.alloc_shared((ns, 64, BLOCK), fp8)
             b_s = T.alloc_shared((ns, bn, BLOCK), fp8)

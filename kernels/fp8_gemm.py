@@ -11,7 +11,7 @@ import jax.numpy as jnp
 import numpy as np
 
 from djax.kernels import dispatch, shapes
-from djax.kernels.dispatch import resolve
+from djax.kernels.dispatch import H200_SMS, resolve
 from djax.kernels.fp8_gemm_ref import fp8_gemm_ref, grouped_contiguous_ref, grouped_masked_ref
 from djax.kernels.fp8_gemm_triton import DEFAULT_CFG as FP8_CFG
 from djax.kernels.fp8_gemm_triton import dense_config, split_k
@@ -75,7 +75,7 @@ def auto_takes_tilelang(a, b, out_dtype) -> bool:
     twice as wide, leave more SMs idle than Triton's, so those m stay on Triton, as do the other decode shapes
     (within a few percent of Triton, which compiles a new shape faster: each TileLang program is specialised
     to its (m, n, k))."""
-    from djax.kernels.fp8_gemm_tilelang import H200_SMS, default_ws_tiling
+    from djax.kernels.fp8_gemm_tilelang import default_ws_tiling
 
     m, k = a.shape
     n = b.shape[0]

@@ -32,6 +32,7 @@ import jax
 import jax.numpy as jnp
 
 from djax.kernels import tilelang_build
+from djax.kernels.dispatch import H200_SMS
 from djax.kernels.tilelang_build import (
     ARCH,
     HOPPER,
@@ -44,7 +45,6 @@ from djax.kernels.tilelang_build import (
 )
 
 BLOCK = 128  # scale granularity along k (and along n for the weights)
-H200_SMS = 132
 _PARAMS = ("A", "AS", "B", "BS", "C")  # kernel parameter order: operands in call order, then the result
 
 
@@ -119,6 +119,12 @@ class WsTiling:
         """128-column slices each k block's partial is computed in (1: the whole tile in one wgmma chain)."""
         wg_cols = self.block_n if self.by_rows else self.block_n // self.consumer_wgs
         return max(1, wg_cols // BLOCK)
+
+    @property
+    def sums_in_cluster(self) -> bool:
+        """The splits of a tile add up inside the kernel, in one thread-block cluster (the k-group program);
+        otherwise, with split_k > 1, each split writes an f32 partial that XLA sums after the kernel."""
+        return self.k_groups > 1 and self.split_k > 1
 
     @property
     def name(self) -> str:
@@ -211,6 +217,20 @@ def default_tiling(m: int, n: int, k: int) -> Tiling:
     return Tiling(64, 32, stages)
 
 
+def operand_types(T, m: int, n: int, k: int, out_shape=None, out_dtype: str = "bfloat16") -> tuple:
+    """The types of the programs' five parameters, in the launchers' order (`_PARAMS`), for TileLang's
+    language module T (CUDA or Ascend): A fp8[m, k], AS f32[m, k/128], B fp8[n, k], BS f32[n/128, k/128],
+    C out_dtype[out_shape] (default bf16[m, n])."""
+    fp8, f32, kb = "float8_e4m3fn", "float32", k // BLOCK
+    return (
+        T.Tensor((m, k), fp8),
+        T.Tensor((m, kb), f32),
+        T.Tensor((n, k), fp8),
+        T.Tensor((n // BLOCK, kb), f32),
+        T.Tensor(out_shape or (m, n), out_dtype),
+    )
+
+
 def check_shapes(m: int, n: int, k: int) -> None:
     if k % BLOCK or n % BLOCK:
         raise ValueError(f"the TileLang fp8 GEMM needs n and k multiples of {BLOCK}, got n={n} k={k}")
@@ -225,14 +245,10 @@ def cuda_program(m: int, n: int, k: int, tiling: Tiling):
     bm, bn, kb = tiling.block_m, tiling.block_n, k // BLOCK
     fp8, f32 = "float8_e4m3fn", "float32"
 
+    A_t, AS_t, B_t, BS_t, C_t = operand_types(T, m, n, k)
+
     @T.prim_func
-    def fp8_gemm(
-        A: T.Tensor((m, k), fp8),
-        AS: T.Tensor((m, kb), f32),
-        B: T.Tensor((n, k), fp8),
-        BS: T.Tensor((n // BLOCK, kb), f32),
-        C: T.Tensor((m, n), "bfloat16"),
-    ):
+    def fp8_gemm(A: A_t, AS: AS_t, B: B_t, BS: BS_t, C: C_t):
         with T.Kernel(n // bn, T.ceildiv(m, bm), threads=tiling.threads) as (bx, by):
             a_s = T.alloc_shared((bm, BLOCK), fp8)
             b_s = T.alloc_shared((bn, BLOCK), fp8)
@@ -327,14 +343,10 @@ def ws_program(m: int, n: int, k: int, tiling: WsTiling):
     fp8, f32 = "float8_e4m3fn", "float32"
     out_shape, out_dtype = ((split, m, n), f32) if split > 1 else ((m, n), "bfloat16")
 
+    A_t, AS_t, B_t, BS_t, C_t = operand_types(T, m, n, k, out_shape, out_dtype)
+
     @T.prim_func
-    def fp8_gemm(
-        A: T.Tensor((m, k), fp8),
-        AS: T.Tensor((m, kb), f32),
-        B: T.Tensor((n, k), fp8),
-        BS: T.Tensor((n // BLOCK, kb), f32),
-        C: T.Tensor(out_shape, out_dtype),
-    ):
+    def fp8_gemm(A: A_t, AS: AS_t, B: B_t, BS: BS_t, C: C_t):
         with T.Kernel(n // bn, T.ceildiv(m, bm), split, threads=tiling.consumer_threads) as (bx, by, bz):
             a_s = T.alloc_shared((bm, BLOCK), fp8)
             b_s = T.alloc_shared((sw, BLOCK), fp8)
@@ -414,14 +426,10 @@ def ascend_program(m: int, n: int, k: int, block_m: int = 128, block_n: int = 12
     kb, n_tiles, half = k // BLOCK, n // block_n, block_m // 2
     fp8, f32 = "float8_e4m3fn", "float32"
 
+    A_t, AS_t, B_t, BS_t, C_t = operand_types(T, m, n, k)
+
     @T.prim_func
-    def fp8_gemm(
-        A: T.Tensor((m, k), fp8),
-        AS: T.Tensor((m, kb), f32),
-        B: T.Tensor((n, k), fp8),
-        BS: T.Tensor((n // BLOCK, kb), f32),
-        C: T.Tensor((m, n), "bfloat16"),
-    ):
+    def fp8_gemm(A: A_t, AS: AS_t, B: B_t, BS: BS_t, C: C_t):
         with T.Kernel(cores) as core:
             a_l1 = T.alloc_l1((block_m, BLOCK), fp8)
             b_l1 = T.alloc_l1((block_n, BLOCK), fp8)
@@ -479,7 +487,7 @@ def lower_ws(m: int, n: int, k: int, tiling: WsTiling | None = None) -> tuple[st
     fn, launch = one_kernel(art)
     (host_fn,) = art.host_mod.functions.values()
     source = art.kernel_source
-    if tiling.k_groups > 1 and tiling.split_k > 1:
+    if tiling.sums_in_cluster:
         from djax.kernels.fp8_decode_tilelang import with_cluster_sum
 
         source = with_cluster_sum(source, launch["name"], tiling.split_k)
@@ -569,12 +577,11 @@ def fp8_gemm_tilelang(
 
         if tiling is not None and not isinstance(tiling, WsTiling):
             raise TypeError(f"variant 'ws' takes a WsTiling, got {tiling!r}")
-        kern = ws_kernel(m, n, k, tiling)
         t = tiling or default_ws_tiling(m, n, k)
-        split = t.split_k
-        if split == 1 or t.k_groups > 1:  # k_groups: the splits sum in the kernel
+        kern = ws_kernel(m, n, k, t)
+        if t.split_k == 1 or t.sums_in_cluster:
             return tma.launch(kern, args, jax.ShapeDtypeStruct((m, n), jnp.bfloat16))
-        part = tma.launch(kern, args, jax.ShapeDtypeStruct((split, m, n), jnp.float32))
+        part = tma.launch(kern, args, jax.ShapeDtypeStruct((t.split_k, m, n), jnp.float32))
         return part.sum(0).astype(jnp.bfloat16)
     if tiling is not None and not isinstance(tiling, Tiling):
         raise TypeError(f"variant 'pointer' takes a Tiling, got {tiling!r}")

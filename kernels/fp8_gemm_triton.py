@@ -18,6 +18,7 @@ from dataclasses import dataclass, replace
 import triton
 import triton.language as tl
 
+from djax.kernels.dispatch import H200_SMS
 from djax.kernels.grouped_gemm_triton import GemmConfig, _tile
 
 SCALE_BLOCK = 128
@@ -51,12 +52,12 @@ def dense_config(m: int, n: int, k: int) -> Fp8Config:
     former fixed split of 4 (2,048 programs of two K blocks, then their f32 sum) took 18.8-21.3 us for
     32 MB; at m 128, n 4096, k 8192 128 x 128 tiles (32 programs) took 36.9 us, cuBLAS on a bf16 weight
     22.4."""
-    if m > 64 and -(-m // 128) * -(-n // 128) >= 132:
+    if m > 64 and -(-m // 128) * -(-n // 128) >= H200_SMS:
         return DEFAULT_CFG
     tiles = -(-m // DECODE_CFG.block_m) * -(-n // DECODE_CFG.block_n)
     kb = -(-k // SCALE_BLOCK)
     splits = [s for s in (1, 2, 4, 8) if kb % s == 0 and kb // s >= 2] or [1]
-    split = next((s for s in splits if tiles * s >= 2 * 128), splits[-1])
+    split = next((s for s in splits if tiles * s >= 256), splits[-1])
     return replace(DECODE_CFG, split_k=split)
 
 

@@ -30,6 +30,7 @@ import jax
 import jax.numpy as jnp
 
 from djax.kernels import tilelang_build
+from djax.kernels.dispatch import H200_SMS
 from djax.kernels.sparse_attn_ref import combine_splits
 from djax.kernels.tilelang_build import (
     ARCH,
@@ -809,9 +810,9 @@ def default_tiling(b: int, h: int, k: int, w: int, t: int) -> Tiling | None:
     """
     nb = sum(_blocks(w, t, 64))
     ctas = b * max(h // HEADS, 1)
-    nsplit = max(1, min(nb, round(132 / ctas)))
+    nsplit = max(1, min(nb, round(H200_SMS / ctas)))
     for threads in (384, 256):
-        if threads == 384 and nsplit > _MAX_CLUSTER and ctas * _MAX_CLUSTER <= 132:
+        if threads == 384 and nsplit > _MAX_CLUSTER and ctas * _MAX_CLUSTER <= H200_SMS:
             tiling = Tiling(64, 2, threads, _MAX_CLUSTER, merge=True)
         else:
             pair = threads == 384 and nsplit == 2
