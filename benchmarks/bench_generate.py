@@ -25,8 +25,9 @@ One run, in this order (no compilation runs while anything is timed):
 
 Run (GPU):   python benchmarks/bench_generate.py --out $OUT
 FP8 model:   python benchmarks/bench_generate.py --fp8 --parts ceilings,decode,decode_dequant,decode_xla --name h200_fp8
-             (the projections as an FP8 checkpoint holds them; with kernels they run through fp8_gemm, in
-             part decode_dequant they are made dense on use, as without kernels)
+             (projections and routed experts as an FP8 checkpoint holds them; with kernels they run through
+             fp8_gemm and the FP8 grouped GEMM, in part decode_dequant they are made dense on use, as
+             without kernels)
 Debug (CPU): python benchmarks/bench_generate.py --tiny --out /tmp/bench
 """
 
@@ -134,15 +135,16 @@ def decode_without_kernels(cfg: djax.ModelConfig, b: int):
 
 
 def dense_on_use(params):
-    """The FP8 projections that `fp8_gemm` takes, each 128 x 128 scale repeated over four 64 x 64 blocks:
-    the same weights, which `layers.linear` then makes dense on use (fp8_gemm takes 128 x 128 blocks only)."""
-    from djax.models.layers import takes_fp8_gemm
+    """The FP8 weights that `fp8_gemm` and the FP8 grouped GEMM take (projections, stacked experts), each
+    128 x 128 scale repeated over four 64 x 64 blocks: the same weights, which the model then makes dense on
+    use (the FP8 kernels take 128 x 128 blocks only)."""
+    from djax.models.layers import takes_fp8_gemm, takes_fp8_grouped
     from djax.quant import QArray
 
     def one(w):
-        if not takes_fp8_gemm(w):
+        if not (takes_fp8_gemm(w) or takes_fp8_grouped(w)):
             return w
-        return QArray(w.values, jnp.repeat(jnp.repeat(w.scale, 2, 0), 2, 1), (64, 64))
+        return QArray(w.values, jnp.repeat(jnp.repeat(w.scale, 2, -2), 2, -1), (64, 64))
 
     return jax.tree.map(one, params, is_leaf=lambda x: isinstance(x, QArray))
 
@@ -391,9 +393,8 @@ def decode_bytes(cfg: djax.ModelConfig, params: dict, b: int, ctx: int, experts_
     embedding rows; the whole LM head; the decoder state entries that are valid at ctx (sliding window,
     CSA index keys and the top-k entries it selects, HCA entries, the compressors' raw rings).
     """
-    d, f = cfg.hidden_size, cfg.moe_intermediate_size
     itm = jnp.dtype(cfg.dtype).itemsize
-    per_expert = 3 * f * d * itm
+    d = cfg.hidden_size
     out = {
         "attention_and_mhc": 0,
         "router_and_shared": 0,
@@ -413,6 +414,8 @@ def decode_bytes(cfg: djax.ModelConfig, params: dict, b: int, ctx: int, experts_
             gate += b * cfg.num_experts_per_tok * 4
         out["router_and_shared"] += gate + nbytes(ffn["shared_experts"])
         n_exp = experts_per_layer[i] if experts_per_layer is not None else expected_experts(cfg, b)
+        ex = ffn["experts"]
+        per_expert = nbytes([ex[w] for w in ("w1", "w2", "w3")]) / cfg.n_routed_experts  # FP8: with scales
         out["routed_experts"] += int(n_exp * per_expert)
         m = cfg.compress_ratios[i]
         st = min(ctx, cfg.sliding_window) * k_dim
@@ -778,7 +781,7 @@ def table(result: dict) -> str:
     for b, r in dj.get("decode_dequant", {}).items():
         k = dj.get("decode", {}).get(b)
         lines.append(
-            f"{'fp8 dense on use b=' + b:<24}{r['median_step_s'] * 1e3:>12.2f}   fp8_gemm speed-up "
+            f"{'fp8 dense on use b=' + b:<24}{r['median_step_s'] * 1e3:>12.2f}   FP8 kernels' speed-up "
             f"{fmt(r['median_step_s'] / k['median_step_s'] if k else None, '.2f')}x"
         )
     g = dj.get("generate")
@@ -812,14 +815,15 @@ def main() -> int:
         default="check,ceilings,hf,prefill,decode,generate",
         help="comma list of: check (logits vs HF), hfvariants (HF with eager experts too), ceilings, hf "
         "(HF timings), prefill, decode, decode_xla (decode without djax.kernels: the speed-up they bring), "
-        "generate; with --fp8 also decode_dequant (kernels on, the FP8 projections made dense on use: what "
-        "fp8_gemm brings)",
+        "generate; with --fp8 also decode_dequant (kernels on, the FP8 weights made dense on use: what "
+        "the FP8 kernels bring)",
     )
     ap.add_argument(
         "--fp8",
         action="store_true",
-        help="the projections as FP8 with 128x128 scales (djax.quantize_projections), as an FP8 checkpoint "
-        "loads them; decode with kernels then runs them through fp8_gemm. HF parts are skipped",
+        help="the projections and routed experts as FP8 with 128x128 scales (djax.quantize_projections), as "
+        "an FP8 checkpoint loads them; decode with kernels then runs them through fp8_gemm and the FP8 "
+        "grouped GEMM. HF parts are skipped",
     )
     args = ap.parse_args()
     parts = set(args.parts.split(","))
@@ -904,7 +908,7 @@ def main() -> int:
         "model": {
             "summary": f"V4-Flash shapes, {cfg.num_hidden_layers} layers ratios {cfg.compress_ratios}, "
             f"{cfg.num_hash_layers} hash layer, bf16 random weights"
-            + (", projections FP8 (128x128 scales)" if args.fp8 else ""),
+            + (", projections and routed experts FP8 (128x128 scales)" if args.fp8 else ""),
             "config": {k: (list(v) if isinstance(v, tuple) else v) for k, v in cfg.__dict__.items()},
             "param_bytes": nbytes(params),
             "init_seconds": round(init_s, 1),

@@ -23,7 +23,7 @@ from pathlib import Path
 import jax
 import jax.numpy as jnp
 import numpy as np
-from bench_moe import fp8_cases, moe_cases, rel_err  # noqa: E402 (the script's directory is on sys.path)
+from bench_moe import fp8_cases, moe_cases, moe_fp8_cases, rel_err  # noqa: E402 (the script's directory is on sys.path)
 from profile_decode import kernel_table  # noqa: E402
 
 from djax.kernels.indexer import index_scores, indexer_topk
@@ -493,6 +493,9 @@ def run(
     if "fp8_linear" in only:
         save()
         fp8_linear_cases(record, small)
+    if "moe_fp8" in only:
+        save()
+        moe_fp8_cases(record, small)
 
     save()
     print(
@@ -589,7 +592,8 @@ if __name__ == "__main__":
         default="attn,index,topk,moe,fp8",
         help="comma list of sections: attn (sparse decode attention), index (indexer scores + top-k), topk, moe, "
         "fp8, attn_blocks (not in the default: the sparse decode at b 64 over 1 to 5 key blocks per split), "
-        "fp8_linear (not in the default: the model's FP8 projections with and without fp8_gemm)",
+        "fp8_linear (not in the default: the model's FP8 projections with and without fp8_gemm), moe_fp8 (not in "
+        "the default: routed experts with FP8 weights, made dense on use or read by the FP8 grouped GEMMs)",
     )
     args = ap.parse_args()
     run(

@@ -341,3 +341,77 @@ def fp8_cases(record, small: bool):
 
     one("contiguous", 4096 if not small else 40)
     one("masked", 64 if not small else 8)
+
+
+def moe_fp8_cases(record, small: bool):
+    """Routed experts with FP8 weights (e4m3, 128x128 scales: an FP8 checkpoint's experts) at V4-Flash shapes,
+    decode and prefill token counts: made dense on use then the bf16 grouped GEMMs (what the model ran before
+    `moe_experts_fp8`; the speed-up column is over it), read as stored by the FP8 grouped GEMMs
+    (`moe_experts_fp8`, per tiling), and for scale the bf16 kernels on bf16 weights (a bf16 checkpoint).
+    Checked against `moe_experts_fp8`'s jnp reference on the first tokens."""
+    from djax.kernels.moe_experts import FP8_DECODE_CFG, FP8_PREFILL_CFG, fp8_config, moe_experts_fp8
+    from djax.quant import quantize
+
+    d, f, e, k = (4096, 2048, 256, 6) if not small else (256, 128, 8, 2)
+    w1, w2, w3 = _weights(jax.random.key(0), e, d, f)
+    q1, q2, q3 = (quantize(w) for w in (w1, w2, w3))
+    per_expert = {"fp8": sum(q.nbytes for q in (q1, q2, q3)) // e, "bf16": 3 * f * d * 2}
+    check_tokens = 4
+    exact = GemmConfig(block_m=1)  # the reference ignores tiles; one row per pick keeps it small
+
+    def ref_first(x, w, i, *ws):
+        c = check_tokens
+        return moe_experts_fp8(x[:c], w[:c], i[:c], *ws, LIMIT, impl="ref", cfg=exact)
+
+    def first(out):
+        return out[:check_tokens]
+
+    variants = [
+        ("fp8 dense on use, triton bf16 kernels", lambda *a: moe_experts(*a, LIMIT, impl="triton"), "fp8"),
+        ("bf16 weights, triton bf16 kernels", None, "bf16"),
+    ]
+    tilings = [
+        FP8_DECODE_CFG,
+        GemmConfig(16, 64, 128, 4, 4),
+        FP8_PREFILL_CFG,
+        GemmConfig(128, 128, 128, 8, 4),
+    ]
+    for n in (1, 32, 128, 4096) if not small else (3, 40):
+        sets, bf16_sets = [], []
+        for s in range(4):
+            w, idx = _routing(jax.random.key(90 + s), n, e, k)
+            x = jax.random.normal(jax.random.key(95 + s), (n, d), BF16)
+            sets.append((x, w, idx, q1, q2, q3))
+            bf16_sets.append((x, w, idx, w1, w2, w3))
+        touched = int((np.bincount(np.asarray(sets[0][2]).ravel(), minlength=e) > 0).sum())
+        flops = 2 * n * k * d * f * 3
+        shape = f"n{n} d{d} f{f} e{e} k{k}"
+        check = (ref_first, first)
+        tr = None
+        for name, fn, wdt in variants:
+            t = record(
+                "moe_experts_fp8",
+                shape,
+                name,
+                fn or (lambda *a: moe_experts(*a, LIMIT, impl="triton")),
+                sets if wdt == "fp8" else bf16_sets,
+                flops,
+                touched * per_expert[wdt],
+                tr,
+                check if wdt == "fp8" else None,
+            )
+            tr = tr or t
+        default = fp8_config(n * k, e)
+        for cfg in tilings:
+            tag = f"bm{cfg.block_m} bn{cfg.block_n} w{cfg.num_warps} st{cfg.num_stages}"
+            record(
+                "moe_experts_fp8",
+                shape,
+                f"fp8 grouped {tag}" + (" (default)" if cfg == default else ""),
+                lambda *a, cfg=cfg: moe_experts_fp8(*a, LIMIT, impl="triton", cfg=cfg),
+                sets,
+                flops,
+                touched * per_expert["fp8"],
+                tr,
+                check,
+            )

@@ -418,19 +418,33 @@ def _fp8_eligible(name: str, p: Param) -> bool:
     )
 
 
-def quantize_projections(params: Any, config: ModelConfig, block: tuple[int, int] = DEFAULT_BLOCK) -> Any:
-    """params with every matrix DeepSeek ships in FP8 (the 2-D projections: not the embedding, head,
-    router, stacked experts or float32-declared weights) as an FP8 QArray with `block` scales, the way a
-    checkpoint saved with fp8=True loads them. Leaves already quantized are kept."""
+def quantize_projections(
+    params: Any, config: ModelConfig, block: tuple[int, int] = DEFAULT_BLOCK, experts: bool = True
+) -> Any:
+    """params with every matrix DeepSeek ships in FP8 (the projections and, with `experts`, the stacked
+    routed experts; not the embedding, head, router or float32-declared weights) as an FP8 QArray with `block`
+    scales, the way a checkpoint saved with fp8=True loads them. Leaves already quantized are kept."""
     flat = flatten_names(params)
     tree = model_module(config).declare(config, with_mtp=any(n.startswith("mtp.") for n in flat))
     decl = {k: v for k, v in flatten_names(tree).items() if is_param(v)}
     out = {}
     for name, w in flat.items():
         p = decl.get(name)
-        eligible = p is not None and not isinstance(w, QArray) and _fp8_eligible(name, p)
-        out[name] = quantize(w, block) if eligible else w
+        eligible = p is not None and not isinstance(w, QArray) and _stored_fp8(name, p)
+        out[name] = quantize(w, block) if eligible and (experts or not _per_expert(name, p)) else w
     return unflatten_names(out, params)
+
+
+def _per_expert(name: str, p: Param) -> bool:
+    """Whether a tree weight is a layer's stacked routed experts, stored on disk one tensor per expert."""
+    return _STACKED.match(name) is not None and len(p.shape) == 3
+
+
+def _stored_fp8(name: str, p: Param) -> bool:
+    """Whether a checkpoint saved with fp8=True holds this tree weight in FP8 (stacked experts: each one)."""
+    if _per_expert(name, p):
+        return _fp8_eligible(name + ".weight", Param(p.shape[1:], p.axes[1:], p.dtype))
+    return _fp8_eligible(name, p)
 
 
 def _disk_tensors(params: Any, config: ModelConfig, fp8: bool) -> tuple[list[dict[str, Lazy]], set]:
@@ -454,9 +468,8 @@ def _disk_tensors(params: Any, config: ModelConfig, fp8: bool) -> tuple[list[dic
         if tuple(w.shape) != p.shape:
             raise CheckpointError(f"weight {name!r} has shape {tuple(w.shape)}, expected {p.shape}")
         m = _STACKED.match(name)
-        per_expert = m is not None and len(p.shape) == 3
-        one = Param(p.shape[1:], p.axes[1:], p.dtype) if per_expert else p
-        quant = qblock if fp8 and _fp8_eligible(name + ".weight" if per_expert else name, one) else None
+        per_expert = _per_expert(name, p)
+        quant = qblock if fp8 and _stored_fp8(name, p) else None
         if quant is not None and not isinstance(w, QArray):
             blocks.add(quant)
         if per_expert:

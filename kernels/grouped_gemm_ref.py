@@ -10,6 +10,8 @@ from __future__ import annotations
 import jax
 import jax.numpy as jnp
 
+from djax.models.layers import swiglu_act
+
 F32 = jnp.float32
 
 
@@ -37,11 +39,8 @@ def _masked_f32(a, b, masked_m):
 
 
 def swiglu_f32(gate, up, limit: float):
-    """The clamped SwiGLU of models/moe.py (`_swiglu_act`), in float32."""
-    if limit > 0:
-        gate = jnp.minimum(gate, limit)
-        up = jnp.clip(up, -limit, limit)
-    return jax.nn.silu(gate) * up
+    """The model's clamped SwiGLU (`layers.swiglu_act`) on float32 gate and up."""
+    return swiglu_act(gate.astype(F32), up.astype(F32), limit)
 
 
 def contiguous_ref(a, b, m_indices, rows=None):

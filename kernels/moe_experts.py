@@ -1,5 +1,9 @@
 """Routed MoE experts from grouped GEMMs: sort picks by expert into BLOCK_M-aligned groups, fused gate/up
-SwiGLU, down projection, weighted gather-combine. Same contract as `experts_ragged` in models/moe.py."""
+SwiGLU, down projection, weighted gather-combine. Same contract as `experts_ragged` in models/moe.py.
+
+`moe_experts` takes bf16 weights (an FP8 or FP4 QArray is made dense first: a bf16 copy of the whole expert
+stack on every call); `moe_experts_fp8` runs FP8 experts in DeepGEMM's layout as they are stored, through the
+block-scaled grouped GEMM, with the activations quantized 1x128 as DeepSeek's inference does."""
 
 from __future__ import annotations
 
@@ -9,11 +13,17 @@ import jax
 import jax.numpy as jnp
 
 from djax.kernels.grouped_gemm import GemmConfig, grouped_gemm, grouped_swiglu
+from djax.models.layers import swiglu_act, takes_fp8_grouped
 from djax.quant import dense
 
 # Picks per expert decide the tile height: small tiles waste less padding at decode sizes.
 DECODE_CFG = GemmConfig(block_m=16, block_n=128, block_k=128, num_warps=4, num_stages=4)
 PREFILL_CFG = GemmConfig(block_m=64, block_n=128, block_k=64, num_warps=4, num_stages=4)
+# FP8 (block_k is the 128-wide scale block): 16-row tiles (mma.sync) at decode, where an expert has a few
+# picks and every padded row is a gathered copy of x; 64-row wgmma tiles at prefill, where they were the
+# faster of 64 and 128 (H200, bench_kernels' fp8 section: 597 against 652 us at 4,096 tokens).
+FP8_DECODE_CFG = GemmConfig(block_m=16, block_n=128, block_k=128, num_warps=4, num_stages=4)
+FP8_PREFILL_CFG = GemmConfig(block_m=64, block_n=128, block_k=128, num_warps=4, num_stages=4)
 
 
 class Layout(NamedTuple):
@@ -60,6 +70,59 @@ def default_config(n_picks: int, num_experts: int) -> GemmConfig:
     return DECODE_CFG if n_picks <= 4 * num_experts else PREFILL_CFG
 
 
+def fp8_config(n_picks: int, num_experts: int) -> GemmConfig:
+    return FP8_DECODE_CFG if n_picks <= 4 * num_experts else FP8_PREFILL_CFG
+
+
+def moe_experts_fp8(
+    x, weights, idx, w1, w2, w3, limit: float, impl: str = "auto", cfg: GemmConfig | None = None
+) -> jax.Array:
+    """Routed experts with FP8 weights (each `takes_fp8_grouped`) read as stored: x and the SwiGLU output are
+    quantized to e4m3 per row and 128 columns, and each of w1, w3, w2 is one block-scaled grouped GEMM over
+    the picks in expert-contiguous order (`fp8_gemm.grouped_contiguous`). Contract as `moe_experts`;
+    impl as in `grouped_contiguous` ("ref" the jnp spec). Returns [n, d] in x's dtype.
+
+    Gate and up come out in x's dtype and the SwiGLU runs in float32 before its quantization, as in
+    DeepSeek's inference (bf16 linear outputs, then the activation quantized)."""
+    from djax.kernels.fp8_gemm import grouped_contiguous  # here: the kernel module imports Triton
+    from djax.kernels.fp8_gemm_ref import quantize_act
+
+    for name, w in (("w1", w1), ("w2", w2), ("w3", w3)):
+        if not takes_fp8_grouped(w):
+            raise ValueError(
+                f"moe_experts_fp8: {name} is not an e4m3 QArray [e, out, in] with 128x128 blocks"
+            )
+    n, d = x.shape
+    e, k = w1.shape[0], idx.shape[1]
+    cfg = cfg or fp8_config(n * k, e)
+    lay = layout(idx, e, cfg.block_m)
+    dt = x.dtype
+    xq, xs = quantize_act(x)
+    src = jnp.maximum(lay.rows, 0)  # padding rows read token 0; their outputs are never gathered
+
+    def gemm(a, a_scale, w):
+        scale = w.scale.astype(jnp.float32)
+        return grouped_contiguous(
+            a, a_scale, w.values, scale, lay.m_indices, out_dtype=dt, impl=impl, cfg=cfg
+        )
+
+    gate, up = gemm(xq[src], xs[src], w1), gemm(xq[src], xs[src], w3)
+    # padding rows are zeroed: a skipped tile leaves its rows unwritten (any bits, nan included)
+    h = jnp.where(
+        (lay.m_indices >= 0)[:, None], swiglu_act(gate.astype(jnp.float32), up.astype(jnp.float32), limit), 0
+    )
+    y = gemm(*quantize_act(h), w2)  # [m_pad, d]
+    return _combine(y, lay, weights, n, k, d).astype(dt)
+
+
+def _combine(y, lay: Layout, weights, n: int, k: int, d: int) -> jax.Array:
+    """sum over each token's picks of its expert's output row times its weight, in float32."""
+    picked = y[jnp.maximum(lay.pos, 0)].reshape(n, k, d).astype(jnp.float32)
+    w = jnp.where(lay.pos >= 0, weights.reshape(-1), 0.0).reshape(n, k, 1)
+    # where, not a product: skipped rows of y hold undefined values (possibly nan)
+    return jnp.where(w != 0, picked * w, 0.0).sum(1)
+
+
 def moe_experts(
     x, weights, idx, w1, w2, w3, limit: float, impl: str = "auto", cfg: GemmConfig | None = None
 ) -> jax.Array:
@@ -76,11 +139,7 @@ def moe_experts(
     dt = x.dtype
     h = grouped_swiglu(x, dense(w1, dt), dense(w3, dt), lay.m_indices, limit, lay.rows, impl, cfg)
     y = grouped_gemm(h, dense(w2, dt), lay.m_indices, None, impl, cfg)  # [m_pad, d]
-    picked = y[jnp.maximum(lay.pos, 0)].reshape(n, k, d).astype(jnp.float32)
-    w = jnp.where(lay.pos >= 0, weights.reshape(-1), 0.0).reshape(n, k, 1)
-    # where, not a product: skipped rows of y hold undefined values (possibly nan)
-    out = jnp.where(w != 0, picked * w, 0.0).sum(1)
-    return out.astype(dt)
+    return _combine(y, lay, weights, n, k, d).astype(dt)
 
 
 def moe_experts_triton(x, weights, idx, w1, w2, w3, limit: float) -> jax.Array:

@@ -31,9 +31,19 @@ def takes_fp8_gemm(w) -> bool:
     """Whether w is an FP8 weight in DeepGEMM's layout, which `fp8_gemm` reads as it is: an e4m3 QArray
     [out, in] with 128x128 scale blocks, out and in multiples of 128 (V3 and V4-Flash checkpoints; V4.1's
     32x32 blocks and FP4 experts are not)."""
-    if not isinstance(w, QArray) or w.is_fp4 or w.values.ndim != 2 or tuple(w.block) != (128, 128):
+    return _deepgemm_fp8(w, 2)
+
+
+def takes_fp8_grouped(w) -> bool:
+    """Whether a stacked expert weight is FP8 in DeepGEMM's layout, which the block-scaled grouped GEMM
+    (`kernels.moe_experts.moe_experts_fp8`) reads as stored: as for `takes_fp8_gemm`, [e, out, in]."""
+    return _deepgemm_fp8(w, 3)
+
+
+def _deepgemm_fp8(w, ndim: int) -> bool:
+    if not isinstance(w, QArray) or w.is_fp4 or w.values.ndim != ndim or tuple(w.block) != (128, 128):
         return False
-    o, i = w.values.shape
+    o, i = w.values.shape[-2:]
     return w.values.dtype == jnp.float8_e4m3fn and o % 128 == 0 and i % 128 == 0
 
 
@@ -137,8 +147,12 @@ def swiglu(
 ) -> jax.Array:
     """w2(silu(w1 x) * w3 x); with limit > 0 the gate is clamped above and the up branch on both sides.
     `fp8`: as for `linear`."""
-    gate, up = linear(x, w1, fp8), linear(x, w3, fp8)
+    return linear(swiglu_act(linear(x, w1, fp8), linear(x, w3, fp8), limit), w2, fp8)
+
+
+def swiglu_act(gate: jax.Array, up: jax.Array, limit: float = 0.0) -> jax.Array:
+    """silu(gate) * up; with limit > 0 (V4) the gate is clamped above and the up branch on both sides."""
     if limit > 0:
         gate = jnp.minimum(gate, limit)
         up = jnp.clip(up, -limit, limit)
-    return linear(jax.nn.silu(gate) * up, w2, fp8)
+    return jax.nn.silu(gate) * up

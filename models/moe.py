@@ -10,7 +10,7 @@ import jax.numpy as jnp
 from jax.sharding import Mesh
 
 from djax.config import ModelConfig
-from djax.models.layers import linear, swiglu, top_k
+from djax.models.layers import linear, swiglu, swiglu_act, takes_fp8_grouped, top_k
 from djax.quant import dense
 
 
@@ -68,13 +68,6 @@ def _ragged(xs: jax.Array, w, sizes: jax.Array) -> jax.Array:
     return jax.lax.ragged_dot_general(xs, dense(w, xs.dtype), sizes, _RAGGED)
 
 
-def _swiglu_act(gate: jax.Array, up: jax.Array, limit: float) -> jax.Array:
-    if limit > 0:
-        gate = jnp.minimum(gate, limit)
-        up = jnp.clip(up, -limit, limit)
-    return jax.nn.silu(gate) * up
-
-
 def experts_ragged(x, weights, idx, w1, w2, w3, limit: float) -> jax.Array:
     """Routed experts as one grouped GEMM over token copies sorted by expert (`ragged_dot_general`).
 
@@ -87,7 +80,7 @@ def experts_ragged(x, weights, idx, w1, w2, w3, limit: float) -> jax.Array:
     tok = order // k
     xs = x[tok]  # [n*k, d], expert-contiguous
     sizes = jnp.bincount(flat, length=e).astype(jnp.int32)
-    h = _swiglu_act(_ragged(xs, w1, sizes), _ragged(xs, w3, sizes), limit)
+    h = swiglu_act(_ragged(xs, w1, sizes), _ragged(xs, w3, sizes), limit)
     out = _ragged(h, w2, sizes)  # [n*k, d]
     out = out * weights.reshape(-1)[order][:, None].astype(out.dtype)
     return jnp.zeros((n, d), out.dtype).at[tok].add(out)
@@ -97,7 +90,7 @@ def experts_gather(x, weights, idx, w1, w2, w3, limit: float) -> jax.Array:
     """Few tokens (decode): gather each (token, choice)'s expert matrices; reads only the experts chosen."""
     dt = x.dtype
     g1, g3, g2 = dense(w1[idx], dt), dense(w3[idx], dt), dense(w2[idx], dt)  # [n, k, f, d], [n, k, d, f]
-    h = _swiglu_act(jnp.einsum("nd,nkfd->nkf", x, g1), jnp.einsum("nd,nkfd->nkf", x, g3), limit)
+    h = swiglu_act(jnp.einsum("nd,nkfd->nkf", x, g1), jnp.einsum("nd,nkfd->nkf", x, g3), limit)
     out = jnp.einsum("nkf,nkdf->nkd", h, g2)
     return jnp.einsum("nkd,nk->nd", out, weights.astype(dt))
 
@@ -111,7 +104,7 @@ def experts_batched(x, weights, idx, w1, w2, w3, limit: float) -> jax.Array:
     dt = x.dtype
     e = w1.shape[0]
     combine = jnp.zeros((x.shape[0], e), jnp.float32).at[jnp.arange(x.shape[0])[:, None], idx].add(weights)
-    h = _swiglu_act(
+    h = swiglu_act(
         jnp.einsum("nd,efd->enf", x, dense(w1, dt)), jnp.einsum("nd,efd->enf", x, dense(w3, dt)), limit
     )
     # Two steps: one einsum over three operands lets XLA transpose all of w2 on every call.
@@ -127,9 +120,19 @@ def experts_triton(x, weights, idx, w1, w2, w3, limit: float) -> jax.Array:
     return moe_experts_triton(x, weights, idx, w1, w2, w3, limit)
 
 
+def experts_fp8(x, weights, idx, w1, w2, w3, limit: float, impl: str = "triton") -> jax.Array:
+    """FP8 experts in DeepGEMM's layout read as stored by the block-scaled grouped GEMMs
+    (`djax.kernels.moe_experts.moe_experts_fp8`; impl "triton" on CUDA, "ref" its jnp spec), the activations
+    quantized 1x128 as in DeepSeek's inference. On the H200 at V4-Flash's expert shapes 19-99x faster than
+    making the stack dense on use at decode and 4.5x at 4,096 tokens (bench_kernels' moe_fp8 section)."""
+    from djax.kernels.moe_experts import moe_experts_fp8  # here: the kernel modules import Triton
+
+    return moe_experts_fp8(x, weights, idx, w1, w2, w3, limit, impl)
+
+
 def experts_grouped(x, weights, idx, w1, w2, w3, limit: float) -> jax.Array:
     """The fast path, chosen by the (static) shapes and the backend. On CUDA the Triton grouped GEMMs at
-    every size: they read each touched expert once, while XLA lowers `ragged_dot` densely there (every
+    every size (FP8 weights that `takes_fp8_grouped` read as stored, `experts_fp8`): they read each touched expert once, while XLA lowers `ragged_dot` densely there (every
     expert on every row) and the gather path writes a copy of every (token, choice)'s matrices (on the
     H200 it made a 32-row decode step 2.3x slower than a 128-row one). Elsewhere gather for a few
     tokens, all experts batched for a decode-sized batch and the grouped ragged GEMM for prefill (and so
@@ -141,6 +144,8 @@ def experts_grouped(x, weights, idx, w1, w2, w3, limit: float) -> jax.Array:
     # Whole GEMM tiles only, and bf16: the kernels' tiles are sized for 2-byte operands (float32 ones need
     # more shared memory than an H200 block may have).
     if on_cuda() and has_triton() and d % 128 == 0 and f % 128 == 0 and x.dtype == jnp.bfloat16:
+        if all(takes_fp8_grouped(w) for w in (w1, w2, w3)):
+            return experts_fp8(x, weights, idx, w1, w2, w3, limit)
         return experts_triton(x, weights, idx, w1, w2, w3, limit)
     if n * k <= e:
         return experts_gather(x, weights, idx, w1, w2, w3, limit)
@@ -198,7 +203,9 @@ def moe_with_counts(
 ) -> tuple[jax.Array, jax.Array]:
     """`moe` plus the router's load: (out [..., d], counts int32[e]) where counts[x] is the number of
     (token, choice) pairs routed to logical expert x among the tokens where `valid` (bool[...]) holds.
-    `fp8`: how the shared experts' FP8 projections run (`layers.linear`)."""
+    `fp8`: how FP8 weights in DeepGEMM's layout run (an impl of `djax.kernels.fp8_gemm`, or None): the shared
+    experts' projections (`layers.linear`; None: made dense on use) and, under impl "grouped", routed experts
+    that `takes_fp8_grouped` (`experts_fp8`; None: as `experts_grouped` decides)."""
     shape = x.shape
     flat = x.reshape(-1, shape[-1])
     ids = None if token_ids is None else token_ids.reshape(-1)
@@ -216,6 +223,7 @@ def moe_with_counts(
         "batched": experts_batched,
         "ragged": experts_ragged,
         "triton": experts_triton,
+        "fp8": experts_fp8,
         "dense": experts_dense,
     }
     limit = cfg.swiglu_limit if cfg.is_v4 else 0.0
@@ -225,6 +233,8 @@ def moe_with_counts(
         routed, _ = moe_ep(
             flat, weights, phys, ex["w1"], ex["w2"], ex["w3"], limit, impl.mesh, None, impl.local
         )
+    elif impl == "grouped" and fp8 is not None and all(takes_fp8_grouped(ex[w]) for w in ("w1", "w2", "w3")):
+        routed = experts_fp8(flat, weights, phys, ex["w1"], ex["w2"], ex["w3"], limit, fp8)
     elif impl in impls:
         routed = impls[impl](flat, weights, phys, ex["w1"], ex["w2"], ex["w3"], limit)
     else:
@@ -243,8 +253,9 @@ def moe(
 ) -> jax.Array:
     """Routed experts plus the shared expert. x: [..., d]; token_ids: int[...] (hash layers).
 
-    impl: "grouped" (the fast path for the shapes at hand), "gather", "batched", "ragged",
-    "dense" (the slow twin: a scan over experts), or an `ExpertParallel`. Experts relaid by an EPLB
+    impl: "grouped" (the fast path for the shapes at hand), "gather", "batched", "ragged", "triton" and
+    "fp8" (the CUDA kernels for bf16 and FP8 experts), "dense" (the slow twin: a scan over experts), or an
+    `ExpertParallel`. Experts relaid by an EPLB
     placement ([num_physical, ...] weights with "log2phy" / "logcnt") are routed through `to_physical`.
     """
     return moe_with_counts(x, p, cfg, token_ids, impl)[0]

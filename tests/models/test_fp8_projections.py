@@ -82,20 +82,31 @@ def _config():
     )
 
 
-def test_quantize_projections_takes_the_projections_only():
+def test_quantize_projections_takes_what_an_fp8_checkpoint_holds():
     cfg = _config()
     params = init_params_host(cfg)
     flat = flatten_names(quantize_projections(params, cfg))
     quantized = {n for n, w in flat.items() if isinstance(w, QArray)}
-    assert "layers.0.attn.wq_b.weight" in quantized and "layers.1.ffn.shared_experts.w2.weight" in quantized
-    for name in ("embed.weight", "head.weight", "layers.0.ffn.gate.weight", "layers.1.ffn.experts.w1"):
+    for name in (
+        "layers.0.attn.wq_b.weight",
+        "layers.1.ffn.shared_experts.w2.weight",
+        "layers.1.ffn.experts.w1",
+    ):
+        assert name in quantized, name
+    for name in ("embed.weight", "head.weight", "layers.0.ffn.gate.weight"):
         assert name in flat and name not in quantized
     assert all(flat[n].values.dtype == jnp.float8_e4m3fn and flat[n].block == (128, 128) for n in quantized)
+    assert flat["layers.1.ffn.experts.w2"].scale.shape == (cfg.n_routed_experts, 2, 1)  # one per expert block
+    no_experts = flatten_names(quantize_projections(params, cfg, experts=False))
+    assert {n for n, w in no_experts.items() if isinstance(w, QArray)} == quantized - {
+        f"layers.{i}.ffn.experts.{w}" for i in range(cfg.num_hidden_layers) for w in ("w1", "w2", "w3")
+    }
 
 
-def test_decode_runs_fp8_projections_through_fp8_gemm(monkeypatch):
-    """kernels="ref": every 128-multiple projection of a decode step goes through fp8_gemm (once per trace),
-    a prefill chunk through none; the logits stay near the dense path's, which does not round activations."""
+def test_decode_runs_fp8_weights_through_fp8_kernels(monkeypatch):
+    """kernels="ref": every 128-multiple projection of a decode step goes through fp8_gemm (once per trace) and
+    every layer's routed experts through three FP8 grouped GEMMs, a prefill chunk through none; the logits
+    stay near the dense path's, which does not round activations."""
     cfg = _config()
     params = quantize_projections(init_params_host(cfg), cfg)
     expected = sorted(
@@ -112,6 +123,16 @@ def test_decode_runs_fp8_projections_through_fp8_gemm(monkeypatch):
         return fp8_gemm(a, a_scale, b, b_scale, **kw)
 
     monkeypatch.setattr(kfp8, "fp8_gemm", counting)
+    grouped = []
+    grouped_contiguous = kfp8.grouped_contiguous
+
+    def counting_grouped(a, a_scale, b, *rest, **kw):
+        grouped.append(tuple(b.shape))
+        return grouped_contiguous(a, a_scale, b, *rest, **kw)
+
+    monkeypatch.setattr(kfp8, "grouped_contiguous", counting_grouped)
+    e, d, f = cfg.n_routed_experts, cfg.hidden_size, cfg.moe_intermediate_size
+    expected_grouped = sorted([(e, f, d), (e, f, d), (e, d, f)] * cfg.num_hidden_layers)
 
     b, n = 2, 24
     tokens = jax.random.randint(jax.random.key(4), (b, n), 0, cfg.vocab_size)
@@ -126,21 +147,25 @@ def test_decode_runs_fp8_projections_through_fp8_gemm(monkeypatch):
     out = {}
     for mode in ("off", "ref"):
         calls.clear()
+        grouped.clear()
         compiled = (
             jax.jit(lambda p, t, mode=mode: run(p, t, mode)).lower(params, tokens).compile(FAST_COMPILE)
         )
         out[mode] = np.asarray(compiled(params, tokens))
         assert sorted(calls) == ([] if mode == "off" else expected), mode
+        assert sorted(grouped) == ([] if mode == "off" else expected_grouped), mode
 
     calls.clear()
+    grouped.clear()
     jax.eval_shape(lambda p, t: v4.extend(p, t, v4.init_state(cfg, b, n), cfg, kernels="ref"), params, tokens)
-    assert calls == []  # a prefill chunk makes the weights dense
+    assert calls == [] and grouped == []  # a prefill chunk makes the weights dense
 
     # Rounding the activations to e4m3 (3 mantissa bits: a relative error of up to 2^-4, 3.6% rms) moves each
     # projection's output by about 3.6% rms; through three layers of this random-weight model the median over
-    # steps and rows of the largest logit error measured 0.049 of the largest logit (0.13 at the worst row).
-    # A missing activation scale moves the logits by orders of magnitude; where each scale goes is checked
-    # element by element in test_linear_fp8_ref_matches_numpy.
+    # steps and rows of the largest logit error measured 0.049 of the largest logit with the projections alone
+    # in FP8 and 0.057 with the routed experts too (0.13 and 0.10 at the worst row). A missing activation scale
+    # moves the logits by orders of magnitude; where each scale goes is checked element by element in
+    # test_linear_fp8_ref_matches_numpy and tests/kernels/test_moe_experts_fp8.py.
     scale = np.abs(out["off"]).max()
     typical = np.median(np.abs(out["ref"] - out["off"]).max(-1)) / scale
     assert 1e-4 < typical < 0.1, typical

@@ -70,3 +70,14 @@ def test_grouped_takes_the_triton_kernels_on_cuda_only_for_bf16(monkeypatch):
     want = moe_mod.experts_dense(x, wts, idx, w1, w2, w3, 10.0)
     assert calls == [jnp.bfloat16]
     np.testing.assert_allclose(np.asarray(got), np.asarray(want), rtol=1e-5, atol=1e-5)
+
+    # FP8 experts in DeepGEMM's layout go to the FP8 grouped GEMMs as stored; any other QArray is made dense
+    fp8 = []
+    monkeypatch.setattr(moe_mod, "experts_fp8", lambda x, *a: fp8.append(x.dtype) or jnp.zeros_like(x))
+    q = [quantize(w) for w in (w1, w2, w3)]
+    moe_mod.experts_grouped(x.astype(jnp.bfloat16), wts, idx, *q, 10.0)
+    assert fp8 == [jnp.bfloat16] and calls == [jnp.bfloat16]
+    moe_mod.experts_grouped(
+        x.astype(jnp.bfloat16), wts, idx, *(quantize(w, (64, 64)) for w in (w1, w2, w3)), 10.0
+    )
+    assert fp8 == [jnp.bfloat16] and calls == [jnp.bfloat16] * 2

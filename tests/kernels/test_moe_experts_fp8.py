@@ -1,0 +1,103 @@
+"""Routed experts with FP8 weights read as stored (`moe_experts_fp8`): the jnp path against a numpy brute force
+that quantizes each pick's activations itself, the Triton kernels (interpreted, f32 stand-ins) against the jnp
+path, and the weights it refuses."""
+
+import jax
+import jax.numpy as jnp
+import ml_dtypes
+import numpy as np
+import pytest
+from checks import assert_close, needs_triton_interp
+
+from djax.kernels.grouped_gemm import GemmConfig
+from djax.kernels.moe_experts import moe_experts_fp8
+from djax.quant import QArray, quantize
+
+E4M3 = ml_dtypes.float8_e4m3fn
+
+
+def _np_quantize_rows(x):
+    """Each row's 128-column groups scaled to a max of 448 and rounded to e4m3, dequantized (float64)."""
+    m, k = x.shape
+    g = x.reshape(m, k // 128, 128)
+    s = np.maximum(np.abs(g).max(-1, keepdims=True), 1e-12) / 448.0
+    return ((g / s).astype(np.float32).astype(E4M3).astype(np.float64) * s).reshape(m, k)
+
+
+def _np_dense(w: QArray):
+    s = np.repeat(np.repeat(np.asarray(w.scale, np.float64), 128, -2), 128, -1)
+    return np.asarray(w.values).astype(np.float64) * s
+
+
+def _np_moe_fp8(x, weights, idx, w1, w2, w3, limit):
+    """One pick at a time: quantized token row times its expert's dequantized matrices, SwiGLU in float64,
+    its output quantized again before w2; picks with an id outside [0, e) contribute nothing."""
+    x = np.asarray(x, np.float64)
+    d1, d2, d3 = _np_dense(w1), _np_dense(w2), _np_dense(w3)
+    e = d1.shape[0]
+    xq = _np_quantize_rows(x)
+    out = np.zeros_like(x)
+    for t, (ids, ws) in enumerate(zip(np.asarray(idx), np.asarray(weights, np.float64))):
+        for ex, wt in zip(ids, ws):
+            if not 0 <= ex < e:
+                continue
+            gate, up = d1[ex] @ xq[t], d3[ex] @ xq[t]
+            if limit > 0:
+                gate, up = np.minimum(gate, limit), np.clip(up, -limit, limit)
+            h = gate / (1 + np.exp(-gate)) * up
+            out[t] += wt * (d2[ex] @ _np_quantize_rows(h[None])[0])
+    return out
+
+
+def _inputs(seed, n, d, f, e, k):
+    """Uneven loads (one expert takes more picks than a 16-row tile, two none) and uneven magnitudes, so that
+    every weight block and activation group has a scale of its own."""
+    rng = np.random.default_rng(seed)
+    probs = np.r_[0.5, 0.2, 0.0, 0.0, np.full(e - 4, 0.3 / (e - 4))]
+    idx = np.stack([rng.choice(e, k, replace=False, p=probs) for _ in range(n)]).astype(np.int32)
+    weights = rng.random((n, k)).astype(np.float32)
+    x = rng.standard_normal((n, d)).astype(np.float32) * np.linspace(0.2, 3.0, d, dtype=np.float32)
+
+    def w(o, i):
+        uneven = np.linspace(0.3, 2.0, o)[:, None] * np.linspace(2.0, 0.5, i)[None, :]
+        return quantize(jnp.asarray(rng.standard_normal((e, o, i)) * i**-0.5 * uneven, jnp.float32))
+
+    return jnp.asarray(x), jnp.asarray(weights), jnp.asarray(idx), w(f, d), w(d, f), w(f, d)
+
+
+@pytest.mark.parametrize("n,limit", [(37, 1.5), (37, 0.0), (1, 1.5)])
+def test_ref_matches_numpy(n, limit):
+    x, weights, idx, w1, w2, w3 = _inputs(n, n, 256, 128, 6, 3)
+    idx = idx.at[0, 1].set(-1).at[n // 2, 0].set(6)  # ids outside [0, e): dropped
+    got = np.asarray(jax.jit(lambda *a: moe_experts_fp8(*a, limit, impl="ref"))(x, weights, idx, w1, w2, w3))
+    want = _np_moe_fp8(x, weights, idx, w1, w2, w3, limit)
+    # float32 sums against float64 ones; a rounding of h to e4m3 that lands the other side of a tie in one of
+    # the two costs one e4m3 step of one element, far under this bound (a scale misplaced costs O(1))
+    assert_close(got, want, 1e-4)
+    if n > 1:
+        assert np.abs(got[0]).max() > 0  # the token with a dropped pick keeps its others
+
+
+@needs_triton_interp
+@pytest.mark.parametrize("n", [37, 1])
+def test_interpreted_matches_ref(n):
+    args = _inputs(10 + n, n, 256, 128, 6, 3)
+    cfg = GemmConfig(block_m=16, block_n=64, block_k=128, num_warps=4, num_stages=1)
+    run = jax.jit(lambda *a, impl: moe_experts_fp8(*a, 1.5, impl=impl, cfg=cfg), static_argnames="impl")
+    assert_close(run(*args, impl="interpret"), run(*args, impl="ref"), 1e-5)
+
+
+@pytest.mark.parametrize(
+    "make",
+    [
+        lambda w: w.astype(jnp.bfloat16),  # a plain weight
+        lambda w: quantize(w, (32, 32)),  # V4.1's 32x32 blocks
+        lambda w: quantize(w[:, :, :192]),  # in not a multiple of 128
+    ],
+    ids=["plain", "blocks32", "in192"],
+)
+def test_refuses_weights_it_cannot_read(make):
+    x, weights, idx, w1, w2, w3 = _inputs(3, 4, 256, 128, 6, 2)
+    bad = make(jnp.asarray(np.random.default_rng(0).standard_normal((6, 128, 256)), jnp.float32))
+    with pytest.raises(ValueError, match="w3 is not an e4m3 QArray"):
+        moe_experts_fp8(x, weights, idx, w1, w2, bad, 1.0, impl="ref")
