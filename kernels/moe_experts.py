@@ -20,8 +20,9 @@ from djax.quant import dense
 DECODE_CFG = GemmConfig(block_m=16, block_n=128, block_k=128, num_warps=4, num_stages=4)
 PREFILL_CFG = GemmConfig(block_m=64, block_n=128, block_k=64, num_warps=4, num_stages=4)
 # FP8 (block_k is the 128-wide scale block): 16-row tiles (mma.sync) at decode, where an expert has a few
-# picks and every padded row is a gathered copy of x; 64-row wgmma tiles at prefill, where they were the
-# faster of 64 and 128 (H200, bench_kernels' fp8 section: 597 against 652 us at 4,096 tokens).
+# picks and every padded row is a gathered copy of x; 64-row wgmma tiles at prefill. H200, V4-Flash experts
+# (bench_kernels --only moe_fp8): 1 / 32 / 128 tokens 78.5 / 296 / 440 us with 16 x 128 tiles (16 x 64:
+# 75.8 / 304 / 444; 64 x 128: 82.1 / 405 / 570); 4,096 tokens 2,494 us with 64 x 128 (128 x 128: 2,878).
 FP8_DECODE_CFG = GemmConfig(block_m=16, block_n=128, block_k=128, num_warps=4, num_stages=4)
 FP8_PREFILL_CFG = GemmConfig(block_m=64, block_n=128, block_k=128, num_warps=4, num_stages=4)
 
@@ -71,6 +72,7 @@ def default_config(n_picks: int, num_experts: int) -> GemmConfig:
 
 
 def fp8_config(n_picks: int, num_experts: int) -> GemmConfig:
+    """`moe_experts_fp8`'s tiles when none are given: by picks per expert, as `default_config`."""
     return FP8_DECODE_CFG if n_picks <= 4 * num_experts else FP8_PREFILL_CFG
 
 

@@ -2,8 +2,9 @@
 
 An FFI custom call has no sharding rule, so under a mesh that splits the batch (data-parallel attention) the
 SPMD partitioner would all-gather every operand to run the kernel whole on each device. Every decode kernel
-here treats batch rows independently, so `batch_sharded` wraps one in `custom_partitioning`: the operands
-keep their batch sharding, everything else is replicated, and each device runs the kernel on its rows.
+here treats batch rows independently (the FP8 GEMM its activation rows), so `batch_sharded` wraps one in
+`custom_partitioning`: the operands keep their batch sharding, everything else is replicated (a weight
+sharded otherwise is gathered), and each device runs the kernel on its rows.
 """
 
 from __future__ import annotations
@@ -14,6 +15,7 @@ from jax.experimental.custom_partitioning import custom_partitioning
 from jax.sharding import NamedSharding
 from jax.sharding import PartitionSpec as P
 
+from djax.kernels import fp8_gemm as _fp8
 from djax.kernels import indexer as _indexer
 from djax.kernels import sparse_attn as _sparse_attn
 from djax.kernels import topk as _topk
@@ -98,3 +100,13 @@ def topk(impl: str):
         return _topk.topk(scores, k, impl=impl)
 
     return batch_sharded(fn, "b s -> b k, b k", (True,), static_argnums=(1,))
+
+
+@functools.cache
+def fp8_gemm(impl: str):
+    """djax.kernels.fp8_gemm.fp8_gemm(a, a_scale, b, b_scale, out_dtype): rows of a (and their scales) split."""
+
+    def fn(a, a_scale, b, b_scale, out_dtype):
+        return _fp8.fp8_gemm(a, a_scale, b, b_scale, out_dtype=out_dtype, impl=impl)
+
+    return batch_sharded(fn, "m k, m j, n k, i j -> m n", (True, True, False, False), static_argnums=(4,))

@@ -55,11 +55,12 @@ def linear(x: jax.Array, w: jax.Array, fp8: str | None = None) -> jax.Array:
     then the block-scaled FP8 GEMM, which reads the narrow weight as stored. Otherwise, and for fp8 None,
     the weight is made dense in x's dtype first."""
     if fp8 is not None and takes_fp8_gemm(w):
-        from djax.kernels.fp8_gemm import fp8_gemm  # here: the kernel modules import Triton
+        from djax.kernels import partition  # here: the kernel modules import Triton
         from djax.kernels.fp8_gemm_ref import quantize_act
 
         a, a_scale = quantize_act(x.reshape(-1, x.shape[-1]))
-        y = fp8_gemm(a, a_scale, w.values, w.scale.astype(jnp.float32), out_dtype=x.dtype, impl=fp8)
+        # partitioned by rows: under a batch-split mesh each device runs the GEMM on its own rows
+        y = partition.fp8_gemm(fp8)(a, a_scale, w.values, w.scale.astype(jnp.float32), x.dtype)
         return y.reshape(*x.shape[:-1], y.shape[-1])
     return jnp.einsum("...i,oi->...o", x, dense(w, x.dtype))
 
