@@ -11,6 +11,7 @@ import numpy as np
 from djax.config import ModelConfig
 from djax.models.layers import (
     apply_rope_interleaved,
+    decode_impl,
     linear,
     rms_norm,
     rope_cos_sin,
@@ -18,7 +19,7 @@ from djax.models.layers import (
     swiglu,
     yarn_mscale,
 )
-from djax.models.moe import moe
+from djax.models.moe import moe_with_counts
 from djax.params import Param
 from djax.params import linear_weight as _w
 from djax.params import norm_weight as _norm
@@ -167,13 +168,14 @@ def _rotate(x: jax.Array, pos: jax.Array, cfg: ModelConfig, heads: bool) -> jax.
 
 
 # ---- MLA ------------------------------------------------------------------------------------------------
-def _project(p: dict, x: jax.Array, pos: jax.Array, cfg: ModelConfig):
-    """x [..., d] -> q_nope [..., h, n], q_rope [..., h, r] (roped), latent [..., c] (normed), k_rope [..., r]."""
+def _project(p: dict, x: jax.Array, pos: jax.Array, cfg: ModelConfig, fp8: str | None = None):
+    """x [..., d] -> q_nope [..., h, n], q_rope [..., h, r] (roped), latent [..., c] (normed), k_rope [..., r].
+    `fp8`: how FP8 projections run (`layers.linear`)."""
     h, n, r, c = cfg.num_attention_heads, cfg.qk_nope_head_dim, cfg.qk_rope_head_dim, cfg.kv_lora_rank
-    q = rms_norm(linear(x, p["wq_a"]["weight"]), p["q_norm"]["weight"], cfg.rms_norm_eps)
-    q = linear(q, p["wq_b"]["weight"]).reshape(*x.shape[:-1], h, n + r)
+    q = rms_norm(linear(x, p["wq_a"]["weight"], fp8), p["q_norm"]["weight"], cfg.rms_norm_eps)
+    q = linear(q, p["wq_b"]["weight"], fp8).reshape(*x.shape[:-1], h, n + r)
     q_nope, q_rope = q[..., :n], _rotate(q[..., n:], pos, cfg, heads=True)
-    kv = linear(x, p["wkv_a"]["weight"])  # [..., c + r]
+    kv = linear(x, p["wkv_a"]["weight"], fp8)  # [..., c + r]
     latent = rms_norm(kv[..., :c], p["kv_norm"]["weight"], cfg.rms_norm_eps)
     k_rope = _rotate(kv[..., c:], pos, cfg, heads=False)
     return q_nope, q_rope, latent, k_rope
@@ -204,14 +206,17 @@ def attention_sequence(p: dict, x: jax.Array, cfg: ModelConfig):
     return linear(o.reshape(b, t, -1), p["wo"]["weight"]), latent, k_rope
 
 
-def attention_decode(p: dict, x: jax.Array, st: dict, pos: jax.Array, cfg: ModelConfig):
+def attention_decode(
+    p: dict, x: jax.Array, st: dict, pos: jax.Array, cfg: ModelConfig, fp8: str | None = None
+):
     """One token per row, absorbed form. x: [b, d]; pos: int[b]. Returns (out [b, d], updated layer state).
 
     q_nope goes through wkv_b's key half into latent space, attention runs over the latent cache, and the
     latent-space output goes through wkv_b's value half: no per-head keys or values are ever built.
+    `fp8`: how FP8 projections run (`layers.linear`; wkv_b, used per head, is made dense).
     """
     b = x.shape[0]
-    q_nope, q_rope, latent, k_rope = _project(p, x, pos, cfg)  # [b, h, n], [b, h, r], [b, c], [b, r]
+    q_nope, q_rope, latent, k_rope = _project(p, x, pos, cfg, fp8)  # [b, h, n], [b, h, r], [b, c], [b, r]
     rows = jnp.arange(b)
     cache_lat = st["kv_latent"].at[rows, pos].set(latent.astype(st["kv_latent"].dtype))  # [b, s, c]
     cache_rope = st["k_rope"].at[rows, pos].set(k_rope.astype(st["k_rope"].dtype))  # [b, s, r]
@@ -223,16 +228,17 @@ def attention_decode(p: dict, x: jax.Array, st: dict, pos: jax.Array, cfg: Model
     probs = jax.nn.softmax(jnp.where(visible[:, None], logits * softmax_scale(cfg), NEG_INF), axis=-1)
     o_lat = jnp.einsum("bhs,bsc->bhc", probs, cache_lat.astype(F32)).astype(x.dtype)  # [b, h, c]
     o = jnp.einsum("bhc,hvc->bhv", o_lat, w_v)  # [b, h, v]
-    return linear(o.reshape(b, -1), p["wo"]["weight"]), {"kv_latent": cache_lat, "k_rope": cache_rope}
+    return linear(o.reshape(b, -1), p["wo"]["weight"], fp8), {"kv_latent": cache_lat, "k_rope": cache_rope}
 
 
 # ---- the whole model -----------------------------------------------------------------------------------
-def _ffn_block(lp: dict, x: jax.Array, cfg: ModelConfig, moe_impl: str) -> jax.Array:
+def _ffn_block(lp: dict, x: jax.Array, cfg: ModelConfig, moe_impl: str, fp8: str | None = None) -> jax.Array:
+    """`fp8`: how FP8 weights in DeepGEMM's layout run (`moe.moe_with_counts`, `layers.swiglu`)."""
     y = rms_norm(x, lp["ffn_norm"]["weight"], cfg.rms_norm_eps)
     f = lp["ffn"]
     if "experts" in f:
-        return x + moe(y, f, cfg, None, moe_impl)
-    return x + swiglu(y, f["w1"]["weight"], f["w2"]["weight"], f["w3"]["weight"])
+        return x + moe_with_counts(y, f, cfg, None, moe_impl, fp8=fp8)[0]
+    return x + swiglu(y, f["w1"]["weight"], f["w2"]["weight"], f["w3"]["weight"], fp8=fp8)
 
 
 def _logits(params: dict, x: jax.Array, cfg: ModelConfig) -> jax.Array:
@@ -299,16 +305,27 @@ def prefill(
     return _logits(params, last, cfg), state
 
 
-def decode_step(params: dict, tokens: jax.Array, state: dict, cfg: ModelConfig, moe_impl: str = "grouped"):
-    """Feed tokens int[b] at positions state['lengths']; return (logits f32[b, v], state with lengths + 1)."""
+def decode_step(
+    params: dict,
+    tokens: jax.Array,
+    state: dict,
+    cfg: ModelConfig,
+    moe_impl: str = "grouped",
+    kernels: str = "auto",
+):
+    """Feed tokens int[b] at positions state['lengths']; return (logits f32[b, v], state with lengths + 1).
+
+    kernels ("auto", "ref", "off": `layers.KERNEL_CHOICES`): how the FP8 weights in DeepGEMM's layout run
+    (projections through `fp8_gemm`, routed experts through the FP8 grouped GEMMs); the attention is jnp."""
     pos = state["lengths"]
     x = _embed(params, tokens, cfg)  # [b, d]
+    fp8 = decode_impl(1, x.dtype, True, kernels)
     new_layers = []
     for i, (lp, st) in enumerate(zip(params["layers"], state["layers"])):
         with jax.named_scope(f"layer{i}"):
             y, st = attention_decode(
-                lp["attn"], rms_norm(x, lp["attn_norm"]["weight"], cfg.rms_norm_eps), st, pos, cfg
+                lp["attn"], rms_norm(x, lp["attn_norm"]["weight"], cfg.rms_norm_eps), st, pos, cfg, fp8
             )
-            x = _ffn_block(lp, x + y, cfg, moe_impl)
+            x = _ffn_block(lp, x + y, cfg, moe_impl, fp8)
             new_layers.append(st)
     return _logits(params, x, cfg), {"layers": new_layers, "lengths": pos + 1}

@@ -17,11 +17,11 @@ import jax.numpy as jnp
 import numpy as np
 
 from djax.config import CSA, SLIDING, ModelConfig
-from djax.kernels import dispatch as kdispatch
 from djax.kernels import partition as kpartition
 from djax.models import engram
 from djax.models.layers import (
     apply_rope_interleaved,
+    decode_impl,
     linear,
     rms_norm,
     rope_cos_sin,
@@ -40,11 +40,7 @@ F32 = jnp.float32
 NEG_INF = -jnp.inf
 
 # `kernels`, an argument of the step functions: how decode steps (chunks of one token) run attention, the
-# indexer and the FP8 projections (weights `layers.takes_fp8_gemm` accepts: activations quantized 1x128,
-# then `fp8_gemm`; other weights are made dense first). "auto": the kernels of djax.kernels where they
-# apply (CUDA with Triton, bf16, kernel-friendly shapes), the jnp path below everywhere else; "ref":
-# through the kernels' jnp references on any backend (tests the plumbing); "off": always the jnp path.
-KERNEL_CHOICES = ("auto", "ref", "off")
+# indexer and the FP8 weights in DeepGEMM's layout (`layers.KERNEL_CHOICES`, `layers.decode_impl`).
 
 
 # ---- declaration -----------------------------------------------------------------------------------
@@ -363,29 +359,15 @@ def _pow2(n: int) -> bool:
     return n >= 16 and n & (n - 1) == 0
 
 
-def _decode_impl(c: int, dtype, triton_shapes: bool, kernels: str) -> str | None:
-    """The djax.kernels impl for a chunk of c tokens under `kernels`, or None for the jnp path. On the fast
-    path it is "auto": each op picks its kernel for the shapes it gets (TileLang or Triton attention,
-    `lax.top_k` for a few rows)."""
-    if kernels not in KERNEL_CHOICES:
-        raise ValueError(f"kernels must be one of {KERNEL_CHOICES}, got {kernels!r}")
-    if c != 1 or kernels == "off":
-        return None
-    if kernels == "ref":
-        return "ref"
-    fast = kdispatch.on_cuda() and kdispatch.has_triton() and jnp.dtype(dtype) == jnp.bfloat16
-    return "auto" if fast and triton_shapes else None
-
-
 def _fp8_impl(x: jax.Array, kernels: str) -> str | None:
     """The `fp8_gemm` impl for the FP8 projections of a chunk x [b, c, d] under `kernels`, or None: the
     weights made dense (every chunk but a decode step's, and "off")."""
-    return _decode_impl(x.shape[1], x.dtype, True, kernels)
+    return decode_impl(x.shape[1], x.dtype, True, kernels)
 
 
 def _index_impl(c: int, q: jax.Array, kernels: str) -> str | None:
     """Kernel impl for the indexer's scores at decode (q [b, t, H, c]); the Triton kernel needs H, c powers of two."""
-    return _decode_impl(c, q.dtype, _pow2(q.shape[-2]) and _pow2(q.shape[-1]), kernels)
+    return decode_impl(c, q.dtype, _pow2(q.shape[-2]) and _pow2(q.shape[-1]), kernels)
 
 
 def _visible_scores(iq, ipool, iw, pos, ratio: int, cfg: ModelConfig, impl: str | None) -> jax.Array:
@@ -576,7 +558,7 @@ def attention_extend(
         else:
             comp = (pool, None, visible)
     h, k = q.shape[-2:]
-    impl = _decode_impl(c, q.dtype, h % 32 == 0 and _pow2(k), kernels)
+    impl = decode_impl(c, q.dtype, h % 32 == 0 and _pow2(k), kernels)
     if impl is not None:  # decode through the kernel (sparse_decode_ref's math = the softmax below)
         o = _sparse_decode(q, keys, win_mask, comp, p["attn_sink"], scale, impl)
         return _output(p, o, pos, cfg, inv_freq, fp8), st
@@ -739,7 +721,7 @@ def run_layers(
     last `keep` real tokens of each row, their window keys starting at that replay start; the streams
     returned are then those `keep` positions (row r's last real token at min(valid[r], keep) - 1).
     A state holding "expert_counts" int32[layers, e] gets its valid tokens' router choices added.
-    kernels: how decode steps run attention and the indexer (see KERNEL_CHOICES).
+    kernels: how decode steps run attention and the indexer (see `layers.KERNEL_CHOICES`).
     """
     b, c = tokens.shape
     valid = jnp.full((b,), c, jnp.int32) if valid is None else valid.astype(jnp.int32)
@@ -810,7 +792,7 @@ def extend(
     The one step function behind forward, prefill, chunked prefill and decode. Returns the last
     layer's streams [b, c, n, d] and the state with lengths += valid (rows with valid 0 are untouched).
     `keep` > 0 turns on SWA bounded replay (see `run_layers`); `kernels` picks the decode kernels
-    ("auto", "ref", "off": see KERNEL_CHOICES).
+    ("auto", "ref", "off": see `layers.KERNEL_CHOICES`).
     """
     h, state, _ = run_layers(params, tokens, state, cfg, valid, moe_impl, keep, kernels)
     return h, state

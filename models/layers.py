@@ -9,6 +9,7 @@ import jax.numpy as jnp
 import numpy as np
 
 from djax.config import ModelConfig
+from djax.kernels import dispatch
 from djax.quant import QArray, dense
 
 
@@ -25,6 +26,29 @@ def unit_rms_norm(x: jax.Array, eps: float) -> jax.Array:
     """Weightless RMS norm whose scale is computed in float32 but applied in x's dtype."""
     scale = jax.lax.rsqrt(jnp.mean(jnp.square(x.astype(jnp.float32)), axis=-1, keepdims=True) + eps)
     return x * scale.astype(x.dtype)
+
+
+# `kernels`, an argument of the models' decode steps: how decode steps (chunks of one token) run attention,
+# the indexer (V4) and the FP8 weights in DeepGEMM's layout (`takes_fp8_gemm` projections: activations
+# quantized 1x128, then `fp8_gemm`; `takes_fp8_grouped` routed experts: the FP8 grouped GEMMs; other weights
+# are made dense first). "auto": the kernels of djax.kernels where they apply (CUDA with Triton, bf16,
+# kernel-friendly shapes), the jnp path everywhere else; "ref": through the kernels' jnp references on any
+# backend (tests the plumbing); "off": always the jnp path.
+KERNEL_CHOICES = ("auto", "ref", "off")
+
+
+def decode_impl(c: int, dtype, kernel_shapes: bool, kernels: str) -> str | None:
+    """The djax.kernels impl for a chunk of c tokens under `kernels`, or None for the jnp path. On the fast
+    path it is "auto": each op picks its kernel for the shapes it gets (TileLang or Triton attention,
+    `lax.top_k` for a few rows)."""
+    if kernels not in KERNEL_CHOICES:
+        raise ValueError(f"kernels must be one of {KERNEL_CHOICES}, got {kernels!r}")
+    if c != 1 or kernels == "off":
+        return None
+    if kernels == "ref":
+        return "ref"
+    fast = dispatch.on_cuda() and dispatch.has_triton() and jnp.dtype(dtype) == jnp.bfloat16
+    return "auto" if fast and kernel_shapes else None
 
 
 def takes_fp8_gemm(w) -> bool:

@@ -103,36 +103,56 @@ def test_quantize_projections_takes_what_an_fp8_checkpoint_holds():
     }
 
 
+def _record_fp8_kernels(monkeypatch) -> dict[str, list]:
+    """The weight shapes `fp8_gemm` and `grouped_contiguous` are traced with from now on, by op."""
+    calls = {"fp8_gemm": [], "grouped_contiguous": []}
+    for op, seen in calls.items():
+        fn = getattr(kfp8, op)
+        monkeypatch.setattr(
+            kfp8,
+            op,
+            lambda a, s, b, *r, fn=fn, seen=seen, **kw: seen.append(tuple(b.shape)) or fn(a, s, b, *r, **kw),
+        )
+    return calls
+
+
+def _logits_off_and_ref(run, params, tokens, calls, expected) -> dict:
+    """run(params, tokens, kernels) compiled and run under "off" and "ref": the logits of each, after checking
+    that "off" traced no FP8 kernel and "ref" each of `expected` (op -> sorted weight shapes)."""
+    out = {}
+    for mode in ("off", "ref"):
+        for seen in calls.values():
+            seen.clear()
+        compiled = (
+            jax.jit(lambda p, t, mode=mode: run(p, t, mode)).lower(params, tokens).compile(FAST_COMPILE)
+        )
+        out[mode] = np.asarray(compiled(params, tokens))
+        for op, want in expected.items():
+            assert sorted(calls[op]) == ([] if mode == "off" else want), (mode, op)
+    return out
+
+
+def _typical_error(out) -> float:
+    """The median over steps and rows of the largest logit error of "ref" against "off", relative to the
+    largest logit."""
+    return float(np.median(np.abs(out["ref"] - out["off"]).max(-1)) / np.abs(out["off"]).max())
+
+
 def test_decode_runs_fp8_weights_through_fp8_kernels(monkeypatch):
     """kernels="ref": every 128-multiple projection of a decode step goes through fp8_gemm (once per trace) and
     every layer's routed experts through three FP8 grouped GEMMs, a prefill chunk through none; the logits
     stay near the dense path's, which does not round activations."""
     cfg = _config()
     params = quantize_projections(init_params_host(cfg), cfg)
-    expected = sorted(
+    projections = sorted(
         tuple(w.values.shape)
         for name, w in flatten_names(params).items()
         if takes_fp8_gemm(w) and not name.endswith("wo_a.weight")  # wo_a: a grouped einsum, made dense
     )
-    assert len(expected) >= 12
-    calls = []
-    fp8_gemm = kfp8.fp8_gemm
-
-    def counting(a, a_scale, b, b_scale, **kw):
-        calls.append(tuple(b.shape))
-        return fp8_gemm(a, a_scale, b, b_scale, **kw)
-
-    monkeypatch.setattr(kfp8, "fp8_gemm", counting)
-    grouped = []
-    grouped_contiguous = kfp8.grouped_contiguous
-
-    def counting_grouped(a, a_scale, b, *rest, **kw):
-        grouped.append(tuple(b.shape))
-        return grouped_contiguous(a, a_scale, b, *rest, **kw)
-
-    monkeypatch.setattr(kfp8, "grouped_contiguous", counting_grouped)
+    assert len(projections) >= 12
     e, d, f = cfg.n_routed_experts, cfg.hidden_size, cfg.moe_intermediate_size
-    expected_grouped = sorted([(e, f, d), (e, f, d), (e, d, f)] * cfg.num_hidden_layers)
+    experts = sorted([(e, f, d), (e, f, d), (e, d, f)] * cfg.num_hidden_layers)
+    calls = _record_fp8_kernels(monkeypatch)
 
     b, n = 2, 24
     tokens = jax.random.randint(jax.random.key(4), (b, n), 0, cfg.vocab_size)
@@ -144,21 +164,14 @@ def test_decode_runs_fp8_weights_through_fp8_kernels(monkeypatch):
 
         return jax.lax.scan(step, v4.init_state(cfg, b, n + 8), t.T)[1]
 
-    out = {}
-    for mode in ("off", "ref"):
-        calls.clear()
-        grouped.clear()
-        compiled = (
-            jax.jit(lambda p, t, mode=mode: run(p, t, mode)).lower(params, tokens).compile(FAST_COMPILE)
-        )
-        out[mode] = np.asarray(compiled(params, tokens))
-        assert sorted(calls) == ([] if mode == "off" else expected), mode
-        assert sorted(grouped) == ([] if mode == "off" else expected_grouped), mode
+    out = _logits_off_and_ref(
+        run, params, tokens, calls, {"fp8_gemm": projections, "grouped_contiguous": experts}
+    )
 
-    calls.clear()
-    grouped.clear()
+    calls["fp8_gemm"].clear()
+    calls["grouped_contiguous"].clear()
     jax.eval_shape(lambda p, t: v4.extend(p, t, v4.init_state(cfg, b, n), cfg, kernels="ref"), params, tokens)
-    assert calls == [] and grouped == []  # a prefill chunk makes the weights dense
+    assert calls == {"fp8_gemm": [], "grouped_contiguous": []}  # a prefill chunk makes the weights dense
 
     # Rounding the activations to e4m3 (3 mantissa bits: a relative error of up to 2^-4, 3.6% rms) moves each
     # projection's output by about 3.6% rms; through three layers of this random-weight model the median over
@@ -166,6 +179,59 @@ def test_decode_runs_fp8_weights_through_fp8_kernels(monkeypatch):
     # in FP8 and 0.057 with the routed experts too (0.13 and 0.10 at the worst row). A missing activation scale
     # moves the logits by orders of magnitude; where each scale goes is checked element by element in
     # test_linear_fp8_ref_matches_numpy and tests/kernels/test_moe_experts_fp8.py.
-    scale = np.abs(out["off"]).max()
-    typical = np.median(np.abs(out["ref"] - out["off"]).max(-1)) / scale
+    typical = _typical_error(out)
     assert 1e-4 < typical < 0.1, typical
+
+
+def _v3_config():
+    """tiny-v3 with 128-multiple projections: q LoRA, q (2 heads x 128), kv LoRA + rope (192 + 64), output,
+    the dense layer's MLP, the shared and routed experts."""
+    return preset("tiny-v3").replace(
+        hidden_size=256,
+        q_lora_rank=128,
+        num_attention_heads=2,
+        qk_nope_head_dim=64,
+        qk_rope_head_dim=64,
+        head_dim=128,
+        v_head_dim=64,
+        kv_lora_rank=192,
+        moe_intermediate_size=128,
+        intermediate_size=256,
+    )
+
+
+def test_v3_decode_runs_fp8_weights_through_fp8_kernels(monkeypatch):
+    """V3's decode step under kernels="ref": every FP8 projection in DeepGEMM's layout through fp8_gemm (wkv_b,
+    split per head, made dense) and each MoE layer's routed experts through three FP8 grouped GEMMs; "off"
+    through neither; the logits near the dense path's."""
+    from djax.models import deepseek_v3 as v3
+
+    cfg = _v3_config()
+    params = quantize_projections(init_params_host(cfg), cfg)
+    projections = sorted(
+        tuple(w.values.shape)
+        for name, w in flatten_names(params).items()
+        if takes_fp8_gemm(w) and not name.endswith("wkv_b.weight")
+    )
+    assert len(projections) >= 10 and (cfg.kv_lora_rank + cfg.qk_rope_head_dim, 256) in projections  # wkv_a
+    e, d, f = cfg.n_routed_experts, cfg.hidden_size, cfg.moe_intermediate_size
+    experts = sorted([(e, f, d), (e, f, d), (e, d, f)] * (cfg.num_hidden_layers - cfg.first_k_dense_replace))
+    calls = _record_fp8_kernels(monkeypatch)
+
+    b, n = 2, 16
+    tokens = jax.random.randint(jax.random.key(5), (b, n), 0, cfg.vocab_size)
+
+    def run(p, t, mode):
+        def step(state, tok):
+            logits, state = v3.decode_step(p, tok, state, cfg, kernels=mode)
+            return state, logits
+
+        return jax.lax.scan(step, v3.init_state(cfg, b, n + 4), t.T)[1]
+
+    out = _logits_off_and_ref(
+        run, params, tokens, calls, {"fp8_gemm": projections, "grouped_contiguous": experts}
+    )
+    typical = _typical_error(out)  # the activations' e4m3 rounding, as in the V4 test (measured 0.043 here)
+    assert 1e-4 < typical < 0.1, typical
+    with pytest.raises(ValueError, match="kernels must be one of"):
+        v3.decode_step(params, tokens[:, 0], v3.init_state(cfg, b, n), cfg, kernels="fast")
