@@ -15,7 +15,6 @@ from jax.experimental.custom_partitioning import custom_partitioning
 from jax.sharding import NamedSharding
 from jax.sharding import PartitionSpec as P
 
-from djax.kernels import fp8_gemm as _fp8
 from djax.kernels import indexer as _indexer
 from djax.kernels import sparse_attn as _sparse_attn
 from djax.kernels import topk as _topk
@@ -107,6 +106,8 @@ def fp8_gemm(impl: str):
     """djax.kernels.fp8_gemm.fp8_gemm(a, a_scale, b, b_scale, out_dtype): rows of a (and their scales) split."""
 
     def fn(a, a_scale, b, b_scale, out_dtype):
+        from djax.kernels import fp8_gemm as _fp8  # here: the module imports Triton, which djax does not need
+
         return _fp8.fp8_gemm(a, a_scale, b, b_scale, out_dtype=out_dtype, impl=impl)
 
     return batch_sharded(fn, "m k, m j, n k, i j -> m n", (True, True, False, False), static_argnums=(4,))

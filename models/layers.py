@@ -33,7 +33,9 @@ def unit_rms_norm(x: jax.Array, eps: float) -> jax.Array:
 # quantized 1x128, then `fp8_gemm`; `takes_fp8_grouped` routed experts: the FP8 grouped GEMMs; other weights
 # are made dense first). "auto": the kernels of djax.kernels where they apply (CUDA with Triton, bf16,
 # kernel-friendly shapes), the jnp path everywhere else; "ref": through the kernels' jnp references on any
-# backend (tests the plumbing); "off": always the jnp path.
+# backend (tests the plumbing); "off": the jnp path. The routed experts are the MoE impl's business
+# (`moe.experts_grouped` takes the Triton kernels on CUDA, FP8 ones included, whatever `kernels` says);
+# `kernels` only adds the FP8 experts' path at decode under "ref" and "auto".
 KERNEL_CHOICES = ("auto", "ref", "off")
 
 

@@ -120,9 +120,10 @@ def experts_triton(x, weights, idx, w1, w2, w3, limit: float) -> jax.Array:
     return moe_experts_triton(x, weights, idx, w1, w2, w3, limit)
 
 
-def experts_fp8(x, weights, idx, w1, w2, w3, limit: float, impl: str = "triton") -> jax.Array:
+def experts_fp8(x, weights, idx, w1, w2, w3, limit: float, impl: str = "auto") -> jax.Array:
     """FP8 experts in DeepGEMM's layout read as stored by the block-scaled grouped GEMMs
-    (`djax.kernels.moe_experts.moe_experts_fp8`; impl "triton" on CUDA, "ref" its jnp spec), the activations
+    (`djax.kernels.moe_experts.moe_experts_fp8`; impl as `grouped_contiguous`'s: "auto" the Triton kernels on
+    CUDA and the jnp spec elsewhere, "triton", "ref", "interpret"), the activations
     quantized 1x128 as in DeepSeek's inference. On the H200 at V4-Flash's expert shapes 19-99x faster than
     making the stack dense on use at decode and 4.5x at 4,096 tokens (bench_kernels' moe_fp8 section)."""
     from djax.kernels.moe_experts import moe_experts_fp8  # here: the kernel modules import Triton
@@ -145,7 +146,7 @@ def experts_grouped(x, weights, idx, w1, w2, w3, limit: float) -> jax.Array:
     # more shared memory than an H200 block may have).
     if on_cuda() and has_triton() and d % 128 == 0 and f % 128 == 0 and x.dtype == jnp.bfloat16:
         if all(takes_fp8_grouped(w) for w in (w1, w2, w3)):
-            return experts_fp8(x, weights, idx, w1, w2, w3, limit)
+            return experts_fp8(x, weights, idx, w1, w2, w3, limit, "triton")
         return experts_triton(x, weights, idx, w1, w2, w3, limit)
     if n * k <= e:
         return experts_gather(x, weights, idx, w1, w2, w3, limit)
@@ -203,7 +204,8 @@ def moe_with_counts(
 ) -> tuple[jax.Array, jax.Array]:
     """`moe` plus the router's load: (out [..., d], counts int32[e]) where counts[x] is the number of
     (token, choice) pairs routed to logical expert x among the tokens where `valid` (bool[...]) holds.
-    `fp8`: how FP8 weights in DeepGEMM's layout run (an impl of `djax.kernels.fp8_gemm`, or None): the shared
+    `fp8`: how FP8 weights in DeepGEMM's layout run ("auto", "ref", "triton" or "interpret": an impl both
+    `djax.kernels.fp8_gemm` and its `grouped_contiguous` take; or None): the shared
     experts' projections (`layers.linear`; None: made dense on use) and, under impl "grouped", routed experts
     that `takes_fp8_grouped` (`experts_fp8`; None: as `experts_grouped` decides)."""
     shape = x.shape
