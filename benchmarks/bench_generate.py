@@ -772,18 +772,17 @@ def table(result: dict) -> str:
             f"{'decode b=' + b + ' ms/step':<24}{r['median_step_s'] * 1e3:>12.2f}"
             f"{fmt(h * 1e3 if h else None, '.2f'):>12}   floor {fmt(fl, '.2f')} ms at copy bw"
         )
-    for b, r in dj.get("decode_xla", {}).items():
-        k = dj.get("decode", {}).get(b)
-        lines.append(
-            f"{'no kernels b=' + b + ' ms':<24}{r['median_step_s'] * 1e3:>12.2f}   djax.kernels speed-up "
-            f"{fmt(r['median_step_s'] / k['median_step_s'] if k else None, '.2f')}x"
-        )
-    for b, r in dj.get("decode_dequant", {}).items():
-        k = dj.get("decode", {}).get(b)
-        lines.append(
-            f"{'fp8 dense on use b=' + b:<24}{r['median_step_s'] * 1e3:>12.2f}   FP8 kernels' speed-up "
-            f"{fmt(r['median_step_s'] / k['median_step_s'] if k else None, '.2f')}x"
-        )
+    # the decode step without what a part takes away, and the speed-up of having it
+    for part, label, what in (
+        ("decode_xla", "no kernels b={} ms", "djax.kernels"),
+        ("decode_dequant", "fp8 dense on use b={}", "FP8 kernels'"),
+    ):
+        for b, r in dj.get(part, {}).items():
+            k = dj.get("decode", {}).get(b)
+            lines.append(
+                f"{label.format(b):<24}{r['median_step_s'] * 1e3:>12.2f}   {what} speed-up "
+                f"{fmt(r['median_step_s'] / k['median_step_s'] if k else None, '.2f')}x"
+            )
     g = dj.get("generate")
     if g:
         lines.append(

@@ -484,18 +484,10 @@ def run(
                 )
             record("topk", shape, "auto", lambda x, k=k: topk(x, k), sets, 0, nbytes, tr, check)
 
-    if "moe" in only:
+    cases = {"moe": moe_cases, "fp8": fp8_cases, "fp8_linear": fp8_linear_cases, "moe_fp8": moe_fp8_cases}
+    for section in (s for s in cases if s in only):
         save()
-        moe_cases(record, small)
-    if "fp8" in only:
-        save()
-        fp8_cases(record, small)
-    if "fp8_linear" in only:
-        save()
-        fp8_linear_cases(record, small)
-    if "moe_fp8" in only:
-        save()
-        moe_fp8_cases(record, small)
+        cases[section](record, small)
 
     save()
     print(

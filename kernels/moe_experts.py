@@ -108,7 +108,8 @@ def moe_experts_fp8(
             a, a_scale, w.values, scale, lay.m_indices, out_dtype=dt, impl=impl, cfg=cfg
         )
 
-    gate, up = gemm(xq[src], xs[src], w1), gemm(xq[src], xs[src], w3)
+    a, a_scale = xq[src], xs[src]
+    gate, up = gemm(a, a_scale, w1), gemm(a, a_scale, w3)
     # padding rows are zeroed: a skipped tile leaves its rows unwritten (any bits, nan included)
     h = jnp.where(
         (lay.m_indices >= 0)[:, None], swiglu_act(gate.astype(jnp.float32), up.astype(jnp.float32), limit), 0

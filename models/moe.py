@@ -131,21 +131,26 @@ def experts_fp8(x, weights, idx, w1, w2, w3, limit: float, impl: str = "auto") -
     return moe_experts_fp8(x, weights, idx, w1, w2, w3, limit, impl)
 
 
-def experts_grouped(x, weights, idx, w1, w2, w3, limit: float) -> jax.Array:
+def experts_grouped(x, weights, idx, w1, w2, w3, limit: float, fp8: str | None = None) -> jax.Array:
     """The fast path, chosen by the (static) shapes and the backend. On CUDA the Triton grouped GEMMs at
     every size (for FP8 weights that `takes_fp8_grouped`, the FP8 ones: `experts_fp8`): they read each
-    touched expert once, while XLA lowers `ragged_dot` densely there (every expert on every row) and the gather path writes a copy of every (token, choice)'s matrices (on the
-    H200 it made a 32-row decode step 2.3x slower than a 128-row one). Elsewhere gather for a few
-    tokens, all experts batched for a decode-sized batch and the grouped ragged GEMM for prefill (and so
-    for float32 on CUDA too)."""
+    touched expert once, while XLA lowers `ragged_dot` densely there (every expert on every row) and the
+    gather path writes a copy of every (token, choice)'s matrices (on the H200 it made a 32-row decode step
+    2.3x slower than a 128-row one). Elsewhere gather for a few tokens, all experts batched for a
+    decode-sized batch and the grouped ragged GEMM for prefill (and so for float32 on CUDA too).
+    `fp8` (a decode step's impl for FP8 weights, as `moe_with_counts`): FP8 experts take `experts_fp8` with
+    it on any backend."""
     from djax.kernels.dispatch import has_triton, on_cuda
 
     n, k, e = x.shape[0], idx.shape[1], w1.shape[0]
     d, f = x.shape[1], w1.shape[1]
+    fp8_weights = all(takes_fp8_grouped(w) for w in (w1, w2, w3))
+    if fp8 is not None and fp8_weights:
+        return experts_fp8(x, weights, idx, w1, w2, w3, limit, fp8)
     # Whole GEMM tiles only, and bf16: the kernels' tiles are sized for 2-byte operands (float32 ones need
     # more shared memory than an H200 block may have).
     if on_cuda() and has_triton() and d % 128 == 0 and f % 128 == 0 and x.dtype == jnp.bfloat16:
-        if all(takes_fp8_grouped(w) for w in (w1, w2, w3)):
+        if fp8_weights:
             return experts_fp8(x, weights, idx, w1, w2, w3, limit, "triton")
         return experts_triton(x, weights, idx, w1, w2, w3, limit)
     if n * k <= e:
@@ -207,7 +212,7 @@ def moe_with_counts(
     `fp8`: how FP8 weights in DeepGEMM's layout run ("auto", "ref", "triton" or "interpret": an impl both
     `djax.kernels.fp8_gemm` and its `grouped_contiguous` take; or None): the shared
     experts' projections (`layers.linear`; None: made dense on use) and, under impl "grouped", routed experts
-    that `takes_fp8_grouped` (`experts_fp8`; None: as `experts_grouped` decides)."""
+    that `takes_fp8_grouped` (passed on to `experts_grouped`, which then takes `experts_fp8`)."""
     shape = x.shape
     flat = x.reshape(-1, shape[-1])
     ids = None if token_ids is None else token_ids.reshape(-1)
@@ -235,8 +240,8 @@ def moe_with_counts(
         routed, _ = moe_ep(
             flat, weights, phys, ex["w1"], ex["w2"], ex["w3"], limit, impl.mesh, None, impl.local
         )
-    elif impl == "grouped" and fp8 is not None and all(takes_fp8_grouped(ex[w]) for w in ("w1", "w2", "w3")):
-        routed = experts_fp8(flat, weights, phys, ex["w1"], ex["w2"], ex["w3"], limit, fp8)
+    elif impl == "grouped":
+        routed = experts_grouped(flat, weights, phys, ex["w1"], ex["w2"], ex["w3"], limit, fp8)
     elif impl in impls:
         routed = impls[impl](flat, weights, phys, ex["w1"], ex["w2"], ex["w3"], limit)
     else:
