@@ -1,6 +1,6 @@
 """TileLang FP8 GEMM tilings side by side, in alternating rounds, so that drift within a run shows.
 
-python benchmarks/ab_fp8_tilings.py [--shapes 4096x4096x4096,...] [--only mc2,...] [--rounds 3] [--out DIR]
+python benchmarks/ab_fp8_tilings.py [--shapes 4096x4096x4096,...] [--only _ss,_g2,...] [--rounds 3] [--out DIR]
 (CUDA GPU, tilelang importable; `--build` lowers and compiles only, no GPU needed.)
 Per shape: the "ws" default (`default_ws_tiling`) and every tiling of the shape's phase in `WS_VARIANTS`
 whose name contains one of `--only`, each checked against the f32 reference first (a wrong one is recorded
@@ -40,7 +40,7 @@ def tilings(m, n, k, only):
 def main():
     p = argparse.ArgumentParser()
     p.add_argument("--shapes", default="4096x4096x4096,4096x7168x7168,4096x4096x7168")
-    p.add_argument("--only", default="mc2", help="comma list of substrings of WS_VARIANTS names")
+    p.add_argument("--only", default="", help="comma list of substrings of WS_VARIANTS names (default: all)")
     p.add_argument("--rounds", type=int, default=3)
     p.add_argument("--out", default=os.environ.get("OUT", "/tmp"))
     p.add_argument("--build", action="store_true", help="lower and compile only")

@@ -88,10 +88,7 @@ class WsTiling:
 
     `k_groups` > 1 (decode, block_m 64): that many consumer warpgroups take turns over the k blocks and sum
     their accumulators at the end, and the `split_k` splits of a tile sum theirs inside one thread-block
-    cluster, so the result is bf16 from the one kernel (`fp8_decode_tilelang`).
-
-    `multicast` 2 (prefill, 128x256 tiles): two vertically adjacent tiles are one thread-block cluster that
-    reads its B tile from L2 once, multicast by TMA into both CTAs (`fp8_multicast_tilelang`)."""
+    cluster, so the result is bf16 from the one kernel (`fp8_decode_tilelang`)."""
 
     block_m: int
     block_n: int
@@ -101,7 +98,6 @@ class WsTiling:
     warpgroups: int = 0
     smem_scales: bool = False
     k_groups: int = 1
-    multicast: int = 1
 
     @property
     def consumer_wgs(self) -> int:
@@ -135,7 +131,6 @@ class WsTiling:
         tail = (f"_p{self.panel}" if self.panel else "") + (f"_k{self.split_k}" if self.split_k > 1 else "")
         tail += (f"_w{self.warpgroups}" if self.warpgroups else "") + ("_ss" if self.smem_scales else "")
         tail += f"_g{self.k_groups}" if self.k_groups > 1 else ""
-        tail += f"_mc{self.multicast}" if self.multicast > 1 else ""
         return f"ws{self.block_m}x{self.block_n}s{self.stages}{tail}"
 
 
@@ -190,9 +185,6 @@ WS_VARIANTS = {  # tilings worth timing (measured best first, then the newer one
         WsTiling(128, 256, 3, 8, smem_scales=True),
         WsTiling(128, 256, 4, 8, smem_scales=True),
         WsTiling(128, 128, 4, 8, smem_scales=True),
-        # two tiles a cluster sharing their B tile (TMA multicast): a third less L2 traffic per k block
-        WsTiling(128, 256, 3, 8, multicast=2),
-        WsTiling(128, 256, 3, 4, multicast=2),
     ),
     "decode": (
         WsTiling(64, 32, 8),
@@ -279,16 +271,6 @@ def cuda_program(m: int, n: int, k: int, tiling: Tiling):
 
 def check_ws_tiling(m: int, n: int, k: int, tiling: WsTiling) -> None:
     check_shapes(m, n, k)
-    if tiling.multicast > 1:
-        t = tiling
-        if (t.block_m, t.block_n, t.multicast) != (128, 256, 2) or t.split_k > 1 or t.warpgroups:
-            raise ValueError(f"multicast needs 128x256 tiles, multicast 2 and no split or warpgroups: {t}")
-        if t.smem_scales or t.k_groups > 1 or t.stages > 3:
-            # 3 stages of 48 KB and 64 KB of staging for the TMA store fill the 227 KB
-            raise ValueError(f"multicast takes at most 3 stages and no shared-memory scales or k groups: {t}")
-        if n % t.block_n:
-            raise ValueError(f"block_n={t.block_n} does not divide n={n}")
-        return
     if tiling.k_groups > 1:
         t = tiling
         if m > 64 or t.block_m != 64 or t.block_n not in (32, 64, 128) or t.warpgroups or t.smem_scales:
@@ -348,10 +330,6 @@ def ws_program(m: int, n: int, k: int, tiling: WsTiling):
         from djax.kernels.fp8_decode_tilelang import decode_program
 
         return decode_program(m, n, k, tiling)
-    if tiling.multicast > 1:
-        from djax.kernels.fp8_multicast_tilelang import multicast_program
-
-        return multicast_program(m, n, k, tiling)
     bm, bn, split = tiling.block_m, tiling.block_n, tiling.split_k
     kb = k // BLOCK
     kps = kb // split  # k blocks per split
@@ -513,10 +491,6 @@ def lower_ws(m: int, n: int, k: int, tiling: WsTiling | None = None) -> tuple[st
         from djax.kernels.fp8_decode_tilelang import with_cluster_sum
 
         source = with_cluster_sum(source, launch["name"], tiling.split_k)
-    if tiling.multicast > 1:
-        from djax.kernels.fp8_multicast_tilelang import with_cluster_dims
-
-        source = with_cluster_dims(source, launch["name"])
     return source, {**launch, "params": params_from_tilelang(fn, host_fn, _PARAMS)}
 
 
@@ -537,13 +511,11 @@ def cuda_kernel(m: int, n: int, k: int, tiling: Tiling | None = None) -> CudaKer
 
 def ws_sources(tiling: WsTiling) -> tuple[str, ...]:
     """The modules whose text the "ws" lowering of `tiling` depends on (part of its disk cache key)."""
-    from djax.kernels import fp8_decode_tilelang, fp8_multicast_tilelang  # programs and their cluster code
+    if tiling.k_groups == 1:
+        return (__file__, tilelang_build.__file__)
+    from djax.kernels import fp8_decode_tilelang  # the program and its cluster code
 
-    if tiling.k_groups > 1:
-        return (__file__, tilelang_build.__file__, fp8_decode_tilelang.__file__)
-    if tiling.multicast > 1:
-        return (__file__, tilelang_build.__file__, fp8_multicast_tilelang.__file__)
-    return (__file__, tilelang_build.__file__)
+    return (__file__, tilelang_build.__file__, fp8_decode_tilelang.__file__)
 
 
 @functools.cache

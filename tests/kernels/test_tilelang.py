@@ -175,12 +175,7 @@ def test_ws_cubins_for_sm90_without_a_gpu(tmp_path, monkeypatch, phase):
     assert kern.threads in (256, 384) and kern.shared_bytes > 48 * 1024
 
 
-NEW_WS = [
-    t
-    for ts in WS_VARIANTS.values()
-    for t in ts
-    if (t.smem_scales or t.block_n > 128 or t.warpgroups) and t.multicast == 1
-]
+NEW_WS = [t for ts in WS_VARIANTS.values() for t in ts if t.smem_scales or t.block_n > 128 or t.warpgroups]
 
 
 @needs_tilelang
