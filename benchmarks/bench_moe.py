@@ -11,7 +11,7 @@ from djax.kernels.dispatch import has_tilelang
 from djax.kernels.fp8_gemm import fp8_gemm, grouped_contiguous, grouped_masked
 from djax.kernels.fp8_gemm_ref import quantize_act, quantize_weight
 from djax.kernels.grouped_gemm import GemmConfig, grouped_gemm_masked, grouped_swiglu_masked
-from djax.kernels.moe_experts import DECODE_CFG, layout, moe_experts
+from djax.kernels.moe_experts import DECODE_CFG, layout, moe_experts, padded_rows
 from djax.models.moe import experts_batched, experts_dense, experts_gather, experts_ragged
 
 BF16 = jnp.bfloat16
@@ -343,13 +343,47 @@ def fp8_cases(record, small: bool):
     one("masked", 64 if not small else 8)
 
 
+def layout_rows(record, shape, idx_sets, e, bm):
+    """The picks' padded expert layout alone (`moe_experts.layout`): XLA's ops against the one Triton
+    program, checked equal. Bytes: idx read, rows, m_indices and pos written."""
+    n_picks = idx_sets[0][0].size
+    nb = 4 * (2 * n_picks + 2 * padded_rows(n_picks, e, bm))
+
+    def flat(lay):
+        return jnp.concatenate([v.astype(jnp.float32) for v in lay])
+
+    def ref(i):
+        return layout(i, e, bm, "ref")
+
+    t_ref = record("moe_layout", shape, "xla (jnp spec)", ref, idx_sets, 0, nb)
+    check = (lambda i: flat(ref(i)), flat)
+    record(
+        "moe_layout",
+        shape,
+        "triton one program",
+        lambda i: layout(i, e, bm, "triton"),
+        idx_sets,
+        0,
+        nb,
+        t_ref,
+        check,
+    )
+
+
 def moe_fp8_cases(record, small: bool):
     """Routed experts with FP8 weights (e4m3, 128x128 scales: an FP8 checkpoint's experts) at V4-Flash shapes,
     decode and prefill token counts: made dense on use then the bf16 grouped GEMMs (what the model ran before
     `moe_experts_fp8`; the speed-up column is over it), read as stored by the FP8 grouped GEMMs
     (`moe_experts_fp8`, per tiling), and for scale the bf16 kernels on bf16 weights (a bf16 checkpoint).
     Checked against `moe_experts_fp8`'s jnp reference on the first tokens."""
-    from djax.kernels.moe_experts import FP8_DECODE_CFG, FP8_PREFILL_CFG, fp8_config, moe_experts_fp8
+    from djax.kernels.fp8_gemm_triton import Fp8Config
+    from djax.kernels.moe_experts import (
+        FP8_DECODE_CFG,
+        FP8_PREFILL_CFG,
+        LAYOUT_MAX_PICKS,
+        fp8_config,
+        moe_experts_fp8,
+    )
     from djax.quant import quantize
 
     d, f, e, k = (4096, 2048, 256, 6) if not small else (256, 128, 8, 2)
@@ -370,12 +404,14 @@ def moe_fp8_cases(record, small: bool):
         ("fp8 dense on use, triton bf16 kernels", lambda *a: moe_experts(*a, LIMIT, impl="triton"), "fp8"),
         ("bf16 weights, triton bf16 kernels", None, "bf16"),
     ]
+    # a plain GemmConfig gets each GEMM's K split from `fp8_split`; an Fp8Config names its own (decode sizes)
     tilings = [
         FP8_DECODE_CFG,
         GemmConfig(16, 64, 128, 4, 4),
         FP8_PREFILL_CFG,
         GemmConfig(128, 128, 128, 8, 4),
     ]
+    forced = [Fp8Config(**vars(FP8_DECODE_CFG), split_k=s) for s in (1, 2, 4)]
     for n in (1, 32, 128, 4096) if not small else (3, 40):
         sets, bf16_sets = [], []
         for s in range(4):
@@ -402,8 +438,11 @@ def moe_fp8_cases(record, small: bool):
             )
             tr = tr or t
         default = fp8_config(n * k, e)
-        for cfg in tilings:
+        if n * k <= LAYOUT_MAX_PICKS:
+            layout_rows(record, shape, [(s[2],) for s in sets], e, default.block_m)
+        for cfg in tilings + (forced if n <= 32 else forced[:1]):
             tag = f"bm{cfg.block_m} bn{cfg.block_n} w{cfg.num_warps} st{cfg.num_stages}"
+            tag += f" split {cfg.split_k}" if isinstance(cfg, Fp8Config) else ""
             record(
                 "moe_experts_fp8",
                 shape,

@@ -6,9 +6,10 @@ registers (DeepGEMM's promotion: the tensor cores' fp8 accumulator never sums mo
 BLOCK_N divides 128 so a tile sees one weight scale per K block. Tiles and skipped rows as in
 grouped_gemm_triton (DENSE: one group, every row live).
 
-Split-K (dense only): program (tile, s) of a 2-D grid sums the s-th run of ceil(KB / SPLIT_K) K blocks and
-writes its f32 partial to c[s]; the caller sums c over its first axis. At decode the output has too few
-tiles to fill 132 SMs, so the K axis supplies the parallelism (`dense_config`).
+Split-K: program (tile, s) of a 2-D grid sums the s-th run of ceil(KB / SPLIT_K) K blocks and writes its f32
+partial to c[s]; the caller sums c over its first axis. At decode the output has too few tiles to fill 132
+SMs, so the K axis supplies the parallelism (`dense_config`; for the grouped layouts the MoE experts' caller
+picks it). Rows a program skips stay unwritten in every partial, as without a split.
 """
 
 from __future__ import annotations
@@ -156,8 +157,6 @@ def constexprs(m: int, n: int, k: int, mg: int, mode: str, cfg: GemmConfig) -> d
         raise ValueError(f"contiguous rows {m} must be a multiple of BLOCK_M {cfg.block_m}")
     if split_k(cfg) < 1:
         raise ValueError(f"split_k {split_k(cfg)} must be >= 1")
-    if split_k(cfg) > 1 and mode != "dense":
-        raise ValueError(f"split_k {split_k(cfg)}: split-K is implemented for dense only, not {mode}")
     return dict(
         M=m,
         N=n,

@@ -11,18 +11,22 @@ from typing import NamedTuple
 
 import jax
 import jax.numpy as jnp
+import numpy as np
 
 from djax.kernels.grouped_gemm import GemmConfig, grouped_gemm, grouped_swiglu
 from djax.models.layers import swiglu_act, takes_fp8_grouped
 from djax.quant import dense
+
+LAYOUT_MAX_PICKS = 4096  # moe_layout_triton.MAX_PICKS (that module imports Triton)
 
 # Picks per expert decide the tile height: small tiles waste less padding at decode sizes.
 DECODE_CFG = GemmConfig(block_m=16, block_n=128, block_k=128, num_warps=4, num_stages=4)
 PREFILL_CFG = GemmConfig(block_m=64, block_n=128, block_k=64, num_warps=4, num_stages=4)
 # FP8 (block_k is the 128-wide scale block): 16-row tiles (mma.sync) at decode, where an expert has a few
 # picks and every padded row is a gathered copy of x; 64-row wgmma tiles at prefill. H200, V4-Flash experts
-# (bench_kernels --only moe_fp8): 1 / 32 / 128 tokens 78.5 / 296 / 440 us with 16 x 128 tiles (16 x 64:
-# 75.8 / 304 / 444; 64 x 128: 82.1 / 405 / 570); 4,096 tokens 2,494 us with 64 x 128 (128 x 128: 2,878).
+# (bench_kernels --only moe_fp8, kernels_h200_moe_fp8_layout.json, with the layout kernel and `fp8_split`):
+# 1 / 32 / 128 tokens 62.6 / 294 / 441 us with 16 x 128 tiles (16 x 64: 60.2 / 297 / 445; 64 x 128: 82.0 /
+# 404 / 574); 4,096 tokens 2,474 us with 64 x 128 (128 x 128: 2,931).
 FP8_DECODE_CFG = GemmConfig(block_m=16, block_n=128, block_k=128, num_warps=4, num_stages=4)
 FP8_PREFILL_CFG = GemmConfig(block_m=64, block_n=128, block_k=128, num_warps=4, num_stages=4)
 
@@ -45,8 +49,46 @@ def padded_rows(n_picks: int, num_experts: int, block_m: int) -> int:
     return max(tiles, 1) * block_m
 
 
-def layout(idx, num_experts: int, block_m: int) -> Layout:
-    """idx int32[n, k] expert per pick (ids outside [0, e) are dropped: pos -1). All in jnp."""
+def layout(idx, num_experts: int, block_m: int, impl: str = "auto") -> Layout:
+    """idx int32[n, k] expert per pick (ids outside [0, e) are dropped: pos -1). impl "ref" (`layout_ref`,
+    jnp), "triton" (`moe_layout_triton`: one program instead of about ten XLA kernels; up to its
+    MAX_PICKS picks, more take the reference), "interpret" (that program in Triton's CPU interpreter) or
+    "auto" (Triton on CUDA)."""
+    from djax.kernels.dispatch import resolve
+
+    impl = resolve(impl, ("ref", "triton", "interpret"))
+    n, k = idx.shape
+    if impl == "ref" or n * k > LAYOUT_MAX_PICKS:
+        return layout_ref(idx, num_experts, block_m)
+    m_pad = padded_rows(n * k, num_experts, block_m)
+    out = (
+        jax.ShapeDtypeStruct((m_pad,), jnp.int32),
+        jax.ShapeDtypeStruct((m_pad,), jnp.int32),
+        jax.ShapeDtypeStruct((n * k,), jnp.int32),
+    )
+    idx = idx.astype(jnp.int32)
+    if impl == "interpret":
+
+        def host(i):
+            import torch
+
+            from djax.kernels.moe_layout_triton import launch_torch
+
+            got = launch_torch(torch.from_numpy(np.array(i)), num_experts, block_m, m_pad)
+            return tuple(t.numpy() for t in got)
+
+        return Layout(*jax.pure_callback(host, out, idx))
+    from djax.ffi import cubin
+    from djax.kernels import moe_layout_triton as tk
+
+    cx = tk.constexprs(n * k, k, num_experts, block_m, m_pad)
+    names = ["idx_ptr", "rows_ptr", "mind_ptr", "pos_ptr"]
+    kern = cubin.compile_triton(tk.layout_kernel, names, [jnp.int32] * 4, cx, num_warps=4)
+    return Layout(*cubin.launch(kern, (1,), [idx], list(out)))
+
+
+def layout_ref(idx, num_experts: int, block_m: int) -> Layout:
+    """`layout` in jnp: the spec."""
     n, k = idx.shape
     flat = idx.reshape(-1).astype(jnp.int32)
     ok = (flat >= 0) & (flat < num_experts)
@@ -76,13 +118,33 @@ def fp8_config(n_picks: int, num_experts: int) -> GemmConfig:
     return FP8_DECODE_CFG if n_picks <= 4 * num_experts else FP8_PREFILL_CFG
 
 
+def fp8_split(cfg: GemmConfig, n_picks: int, num_experts: int, n_out: int, k_in: int) -> GemmConfig:
+    """The config for one FP8 grouped GEMM of the experts: cfg as given when it names its own K split (an
+    `fp8_gemm_triton.Fp8Config`), else cfg split along K as `fp8_gemm_triton.dense_config` splits a dense
+    decode GEMM: the fewest of 1, 2, 4 or 8 splits (dividing the K blocks, two or more each) that give 256
+    programs over the tiles that can hold picks (at most one per expert picked, n_picks or num_experts),
+    else the most of them. At one token a V4-Flash gate projection is 6 experts x 16 column tiles: 96
+    programs for 132 SMs unsplit."""
+    from djax.kernels.fp8_gemm_triton import Fp8Config
+
+    if isinstance(cfg, Fp8Config):
+        return cfg
+    kb = k_in // 128
+    tiles = min(n_picks, num_experts, padded_rows(n_picks, num_experts, cfg.block_m) // cfg.block_m)
+    tiles *= -(-n_out // cfg.block_n)
+    splits = [s for s in (1, 2, 4, 8) if kb % s == 0 and kb // s >= 2] or [1]
+    split = next((s for s in splits if tiles * s >= 256), splits[-1])
+    return Fp8Config(**vars(cfg), split_k=split)
+
+
 def moe_experts_fp8(
     x, weights, idx, w1, w2, w3, limit: float, impl: str = "auto", cfg: GemmConfig | None = None
 ) -> jax.Array:
     """Routed experts with FP8 weights (each `takes_fp8_grouped`) read as stored: x and the SwiGLU output are
     quantized to e4m3 per row and 128 columns, and each of w1, w3, w2 is one block-scaled grouped GEMM over
-    the picks in expert-contiguous order (`fp8_gemm.grouped_contiguous`). Contract as `moe_experts`;
-    impl as in `grouped_contiguous` ("ref" the jnp spec). Returns [n, d] in x's dtype.
+    the picks in expert-contiguous order (`fp8_gemm.grouped_contiguous`), split along K where its tiles are
+    too few for the SMs (`fp8_split`). Contract as `moe_experts`; impl as in `grouped_contiguous` ("ref" the
+    jnp spec). Returns [n, d] in x's dtype.
 
     Gate and up come out in x's dtype and the SwiGLU runs in float32 before its quantization, as in
     DeepSeek's inference (bf16 linear outputs, then the activation quantized)."""
@@ -97,16 +159,15 @@ def moe_experts_fp8(
     n, d = x.shape
     e, k = w1.shape[0], idx.shape[1]
     cfg = cfg or fp8_config(n * k, e)
-    lay = layout(idx, e, cfg.block_m)
+    lay = layout(idx, e, cfg.block_m, impl)
     dt = x.dtype
     xq, xs = quantize_act(x)
     src = jnp.maximum(lay.rows, 0)  # padding rows read token 0; their outputs are never gathered
 
     def gemm(a, a_scale, w):
         scale = w.scale.astype(jnp.float32)
-        return grouped_contiguous(
-            a, a_scale, w.values, scale, lay.m_indices, out_dtype=dt, impl=impl, cfg=cfg
-        )
+        c = fp8_split(cfg, n * k, e, *w.shape[1:])
+        return grouped_contiguous(a, a_scale, w.values, scale, lay.m_indices, out_dtype=dt, impl=impl, cfg=c)
 
     a, a_scale = xq[src], xs[src]
     gate, up = gemm(a, a_scale, w1), gemm(a, a_scale, w3)
@@ -138,7 +199,7 @@ def moe_experts(
     n, d = x.shape
     e, k = w1.shape[0], idx.shape[1]
     cfg = cfg or default_config(n * k, e)
-    lay = layout(idx, e, cfg.block_m)
+    lay = layout(idx, e, cfg.block_m, impl)
     dt = x.dtype
     h = grouped_swiglu(x, dense(w1, dt), dense(w3, dt), lay.m_indices, limit, lay.rows, impl, cfg)
     y = grouped_gemm(h, dense(w2, dt), lay.m_indices, None, impl, cfg)  # [m_pad, d]

@@ -248,16 +248,32 @@ def test_fp8_ops_name_a_bad_argument(op, shapes, match, impl):
         fn(*args, impl=impl)
 
 
-def test_split_k_is_refused_for_grouped():
-    """Split-K is dense only: a grouped call with it fails at trace time instead of computing something else."""
-    rng = np.random.default_rng(6)
-    a, b = _fp8(rng, (2, 16, 256)), _fp8(rng, (2, 32, 256))
+@needs_triton_interp
+@pytest.mark.parametrize("split", [2, 3])
+def test_grouped_split_k_matches_unsplit(split):
+    """Split-K in both grouped layouts (partials summed after the kernel): live rows equal the reference;
+    rows the kernel skips (padding, past a group's count, an empty tile) stay unwritten (nan), as unsplit.
+    5 K blocks over 2 or 3 splits leave the last split short."""
+    rng = np.random.default_rng(6 + split)
+    g, n, k = 3, 64, 600
+    cfg = Fp8Config(16, 32, 128, 4, 1, split_k=split)
+    m_idx = np.array([1] * 5 + [-1] * 11 + [-1] * 16 + [0] * 16 + [2] * 9 + [-1] * 7, np.int32)
+    a, b = _fp8(rng, (m_idx.size, k)), _fp8(rng, (g, n, k))
     args = [
-        *map(jnp.asarray, (a, _scales(rng, (2, 16, 2)), b, _scales(rng, (2, 1, 2)))),
-        jnp.asarray([3, 16]),
+        *map(jnp.asarray, (a, _scales(rng, (m_idx.size, 5)), b, _scales(rng, (g, 1, 5)))),
+        jnp.asarray(m_idx),
     ]
-    with pytest.raises(ValueError, match="dense only"):
-        grouped_masked(*args, impl="interpret", cfg=Fp8Config(16, 32, 128, 4, 1, split_k=2))
+    out = np.asarray(grouped_contiguous(*args, out_dtype=jnp.float32, impl="interpret", cfg=cfg))
+    ref = np.asarray(grouped_contiguous(*args, out_dtype=jnp.float32, impl="ref"))
+    assert_close(out[m_idx >= 0], ref[m_idx >= 0], 1e-6)
+    assert np.isnan(out[16:32]).all()  # the tile with no picks is skipped in every split
+    mm, masked = 32, np.array([3, 0, 32], np.int32)
+    a = _fp8(rng, (g, mm, k))
+    args = [*map(jnp.asarray, (a, _scales(rng, (g, mm, 5)), b, _scales(rng, (g, 1, 5)))), jnp.asarray(masked)]
+    out = np.asarray(grouped_masked(*args, out_dtype=jnp.float32, impl="interpret", cfg=cfg))
+    live = np.arange(mm)[None] < masked[:, None]
+    assert_close(out[live], np.asarray(grouped_masked(*args, out_dtype=jnp.float32, impl="ref"))[live], 1e-6)
+    assert np.isnan(out[~live]).all()
 
 
 def test_decode_config_compiles_to_sm90_cubin():

@@ -95,12 +95,13 @@ def test_masked_triton_interpreted_skips_dead_tiles():
     assert_close(h[live], np.asarray(grouped_swiglu_masked(a, b, b3, cnt, 0.0, impl="ref"))[live], 1e-5)
 
 
-def test_layout_groups_are_tile_aligned():
+@pytest.mark.parametrize("impl", ["ref", pytest.param("interpret", marks=needs_triton_interp)])
+def test_layout_groups_are_tile_aligned(impl):
     rng = np.random.default_rng(3)
     n, k, e, bm = 29, 4, 8, 16
     idx = rng.choice([0, 2, 3, 7], (n, k)).astype(np.int32)
     idx[3, 1] = -1  # dropped pick
-    lay = layout(jnp.asarray(idx), e, bm)
+    lay = layout(jnp.asarray(idx), e, bm, impl)
     rows, mi, pos = (np.asarray(v) for v in lay)
     assert rows.size == padded_rows(n * k, e, bm) and rows.size % bm == 0
     for t in range(n):
@@ -115,6 +116,39 @@ def test_layout_groups_are_tile_aligned():
         live = tile[tile >= 0]
         assert len(set(live)) <= 1 and np.all(tile[: live.size] >= 0)
     assert (mi >= 0).sum() == (idx >= 0).sum()
+
+
+@needs_triton_interp
+@pytest.mark.parametrize(
+    "n,k,e,bm",
+    [
+        (1, 6, 256, 16),  # one decode token at V4-Flash's routing
+        (37, 6, 256, 16),  # 222 picks: most experts one pick, some two
+        (300, 2, 6, 64),  # few experts (not a power of two), groups over several tiles
+        (5, 8, 8, 16),  # 40 picks over 8 experts: a power of two, so bin 8 is the next power's
+    ],
+)
+def test_layout_kernel_equals_reference(n, k, e, bm):
+    """The one-program layout (interpreted) against the jnp spec, every output exactly, on skewed random
+    picks with ids outside [0, e) among them (dropped)."""
+    rng = np.random.default_rng(n * e + bm)
+    probs = rng.dirichlet(np.full(e, 0.3))
+    idx = rng.choice(e, (n, k), p=probs).astype(np.int32)
+    bad = rng.random((n, k)) < 0.05
+    idx[bad] = rng.choice([-1, e, e + 5, -7], bad.sum())
+    want = layout(jnp.asarray(idx), e, bm, "ref")
+    got = layout(jnp.asarray(idx), e, bm, "interpret")
+    for name, g, w in zip(want._fields, got, want):
+        np.testing.assert_array_equal(np.asarray(g), np.asarray(w), err_msg=name)
+
+
+def test_layout_past_the_kernel_takes_the_reference():
+    """More picks than the one program holds: the reference's layout, whatever impl asks for."""
+    idx = jnp.asarray(np.random.default_rng(0).integers(0, 16, (1100, 4)), jnp.int32)  # 4,400 picks
+    got = layout(idx, 16, 64, "interpret")
+    want = layout(idx, 16, 64, "ref")
+    for g, w in zip(got, want):
+        np.testing.assert_array_equal(np.asarray(g), np.asarray(w))
 
 
 def _moe_inputs(rng, n, d, f, e, k, probs):

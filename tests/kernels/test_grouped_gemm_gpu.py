@@ -39,6 +39,19 @@ def _moe(seed, n, d, f, e, k):
     return x, w, idx.astype(jnp.int32), w1, w2, w3
 
 
+@pytest.mark.parametrize("n,k,e,bm", [(1, 6, 256, 16), (64, 6, 256, 16), (300, 8, 256, 64), (600, 2, 6, 64)])
+def test_layout_kernel_equals_reference(n, k, e, bm):
+    """The one-program layout on the GPU against the jnp spec, exactly, ids outside [0, e) among the picks."""
+    rng = np.random.default_rng(n + e)
+    idx = rng.choice(e, (n, k), p=rng.dirichlet(np.full(e, 0.3))).astype(np.int32)
+    idx[rng.random((n, k)) < 0.05] = -1
+    idx[0, 0] = e  # past the last expert
+    want = layout(jnp.asarray(idx), e, bm, "ref")
+    got = jax.jit(lambda i: layout(i, e, bm, "triton"))(jnp.asarray(idx))
+    for name, g, w in zip(want._fields, got, want):
+        np.testing.assert_array_equal(np.asarray(g), np.asarray(w), err_msg=name)
+
+
 @pytest.mark.parametrize(
     "n,cfg",
     [
@@ -62,7 +75,8 @@ def test_moe_experts_triton_matches_dense(n, cfg):
 @pytest.mark.parametrize(
     "n,cfg",
     [
-        (1, None),  # batch-1 decode, the default tiling (16-row tiles)
+        (1, None),  # batch-1 decode, the default tiling (16-row tiles; gate and up split 2 ways along K)
+        (1, Fp8Config(16, 128, 128, 4, 4, split_k=4)),  # down: 2 K blocks over 4 splits, two of them empty
         (37, FP8_DECODE_CFG),
         (37, GemmConfig(16, 64, 128, 4, 4)),
         (1000, None),  # prefill-sized, the default tiling (64-row wgmma tiles)
@@ -106,7 +120,14 @@ def test_masked_triton_matches_ref(cfg):
     assert_close(np.asarray(y, np.float32)[live], np.asarray(yr, np.float32)[live], 1e-2)
 
 
-@pytest.mark.parametrize("cfg", [GemmConfig(128, 128, 128, 8, 4), GemmConfig(64, 128, 128, 4, 4)])
+@pytest.mark.parametrize(
+    "cfg",
+    [
+        GemmConfig(128, 128, 128, 8, 4),
+        GemmConfig(64, 128, 128, 4, 4),
+        Fp8Config(64, 128, 128, 4, 4, split_k=3),
+    ],
+)
 def test_fp8_triton_matches_ref(cfg):
     f32 = jnp.float32
     a, a_s = quantize_act(jax.random.normal(jax.random.key(1), (300, 1000), f32))  # partial K block

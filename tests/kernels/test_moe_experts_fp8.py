@@ -9,8 +9,9 @@ import numpy as np
 import pytest
 from checks import assert_close, needs_triton_interp
 
+from djax.kernels.fp8_gemm_triton import Fp8Config
 from djax.kernels.grouped_gemm import GemmConfig
-from djax.kernels.moe_experts import moe_experts_fp8
+from djax.kernels.moe_experts import FP8_DECODE_CFG, FP8_PREFILL_CFG, fp8_split, moe_experts_fp8
 from djax.quant import QArray, quantize
 
 E4M3 = ml_dtypes.float8_e4m3fn
@@ -85,6 +86,33 @@ def test_interpreted_matches_ref(n):
     cfg = GemmConfig(block_m=16, block_n=64, block_k=128, num_warps=4, num_stages=1)
     run = jax.jit(lambda *a, impl: moe_experts_fp8(*a, 1.5, impl=impl, cfg=cfg), static_argnames="impl")
     assert_close(run(*args, impl="interpret"), run(*args, impl="ref"), 1e-5)
+
+
+@needs_triton_interp
+def test_interpreted_split_k_matches_ref():
+    """The decode tiles with each grouped GEMM split along K, as `fp8_split` picks for a token or two."""
+    args = _inputs(21, 2, 256, 128, 6, 3)
+    cfg = GemmConfig(block_m=16, block_n=64, block_k=128, num_warps=4, num_stages=1)
+    assert fp8_split(cfg, 6, 6, 128, 256).split_k == 1  # 2 K blocks: no split leaves two in each
+    split = Fp8Config(**vars(cfg), split_k=2)
+    run = jax.jit(
+        lambda *a, impl, c: moe_experts_fp8(*a, 1.5, impl=impl, cfg=c), static_argnames=("impl", "c")
+    )
+    assert_close(run(*args, impl="interpret", c=split), run(*args, impl="ref", c=cfg), 1e-5)
+
+
+def test_fp8_split_fills_the_sms_at_decode():
+    """V4-Flash experts (d 4096, f 2048, 256 experts, top-6) under the decode tiles: one token's gate and up
+    (6 experts x 16 column tiles) split 4 ways and its down projection (6 x 32 tiles, 16 K blocks) 2 ways;
+    at 32 tokens every GEMM has tiles enough; a config naming its split keeps it."""
+    dec = FP8_DECODE_CFG
+    assert fp8_split(dec, 6, 256, 2048, 4096).split_k == 4
+    assert fp8_split(dec, 6, 256, 4096, 2048).split_k == 2
+    assert fp8_split(dec, 192, 256, 2048, 4096).split_k == 1
+    assert fp8_split(FP8_PREFILL_CFG, 6 * 4096, 256, 2048, 4096).split_k == 1
+    own = Fp8Config(**vars(dec), split_k=1)
+    assert fp8_split(own, 6, 256, 2048, 4096) is own
+    assert fp8_split(dec, 6, 256, 2048, 4096).block_m == dec.block_m
 
 
 @pytest.mark.parametrize(
