@@ -6,7 +6,9 @@ program does it all: per-expert counts by `tl.histogram`, the padded group start
 in stable expert order by sorting (expert, pick) packed into one int32, and the three outputs stored. A
 pick's padded row is its sorted position plus the padding of the groups before its expert.
 
-Sized for decode and small prefill chunks: every pick is one lane of the program (`MAX_PICKS`).
+Sized for decode and small prefill chunks: every pick is one lane of the program (`MAX_PICKS`). On the H200
+(`bench_kernels.py --only moe_fp8`, V4-Flash routing, top-6 of 256): 1.7 / 3.2 / 8.6 us for 1 / 32 / 128
+tokens against 13.2 / 14.7 / 18.2 us for XLA's ops, the same output.
 """
 
 from __future__ import annotations
