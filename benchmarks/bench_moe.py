@@ -377,13 +377,8 @@ def moe_fp8_cases(record, small: bool):
     (`moe_experts_fp8`, per tiling), and for scale the bf16 kernels on bf16 weights (a bf16 checkpoint).
     Checked against `moe_experts_fp8`'s jnp reference on the first tokens."""
     from djax.kernels.fp8_gemm_triton import Fp8Config
-    from djax.kernels.moe_experts import (
-        FP8_DECODE_CFG,
-        FP8_PREFILL_CFG,
-        LAYOUT_MAX_PICKS,
-        fp8_config,
-        moe_experts_fp8,
-    )
+    from djax.kernels.moe_experts import FP8_DECODE_CFG, FP8_PREFILL_CFG, fp8_config, moe_experts_fp8
+    from djax.kernels.moe_layout_triton import MAX_PICKS
     from djax.quant import quantize
 
     d, f, e, k = (4096, 2048, 256, 6) if not small else (256, 128, 8, 2)
@@ -400,9 +395,12 @@ def moe_fp8_cases(record, small: bool):
     def first(out):
         return out[:check_tokens]
 
+    def bf16_kernels(*a):  # FP8 weights are made dense on use
+        return moe_experts(*a, LIMIT, impl="triton")
+
     variants = [
-        ("fp8 dense on use, triton bf16 kernels", lambda *a: moe_experts(*a, LIMIT, impl="triton"), "fp8"),
-        ("bf16 weights, triton bf16 kernels", None, "bf16"),
+        ("fp8 dense on use, triton bf16 kernels", "fp8"),
+        ("bf16 weights, triton bf16 kernels", "bf16"),
     ]
     # a plain GemmConfig gets each GEMM's K split from `fp8_split`; an Fp8Config names its own (decode sizes)
     tilings = [
@@ -424,12 +422,12 @@ def moe_fp8_cases(record, small: bool):
         shape = f"n{n} d{d} f{f} e{e} k{k}"
         check = (ref_first, first)
         tr = None
-        for name, fn, wdt in variants:
+        for name, wdt in variants:
             t = record(
                 "moe_experts_fp8",
                 shape,
                 name,
-                fn or (lambda *a: moe_experts(*a, LIMIT, impl="triton")),
+                bf16_kernels,
                 sets if wdt == "fp8" else bf16_sets,
                 flops,
                 touched * per_expert[wdt],
@@ -438,7 +436,7 @@ def moe_fp8_cases(record, small: bool):
             )
             tr = tr or t
         default = fp8_config(n * k, e)
-        if n * k <= LAYOUT_MAX_PICKS:
+        if n * k <= MAX_PICKS:
             layout_rows(record, shape, [(s[2],) for s in sets], e, default.block_m)
         for cfg in tilings + (forced if n <= 32 else forced[:1]):
             tag = f"bm{cfg.block_m} bn{cfg.block_n} w{cfg.num_warps} st{cfg.num_stages}"

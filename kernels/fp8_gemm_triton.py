@@ -56,10 +56,14 @@ def dense_config(m: int, n: int, k: int) -> Fp8Config:
     if m > 64 and -(-m // 128) * -(-n // 128) >= H200_SMS:
         return DEFAULT_CFG
     tiles = -(-m // DECODE_CFG.block_m) * -(-n // DECODE_CFG.block_n)
-    kb = -(-k // SCALE_BLOCK)
-    splits = [s for s in (1, 2, 4, 8) if kb % s == 0 and kb // s >= 2] or [1]
-    split = next((s for s in splits if tiles * s >= 256), splits[-1])
-    return replace(DECODE_CFG, split_k=split)
+    return replace(DECODE_CFG, split_k=fewest_splits(tiles, -(-k // SCALE_BLOCK)))
+
+
+def fewest_splits(tiles: int, k_blocks: int) -> int:
+    """The K split of a decode GEMM of `tiles` output tiles: the fewest of 1, 2, 4 or 8 splits (dividing the
+    K blocks, two or more each) that make 256 programs, about two per SM, else the most of them."""
+    splits = [s for s in (1, 2, 4, 8) if k_blocks % s == 0 and k_blocks // s >= 2] or [1]
+    return next((s for s in splits if tiles * s >= 256), splits[-1])
 
 
 @triton.jit

@@ -13,11 +13,13 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
+from djax.kernels import fp8_gemm, moe_layout_triton
+from djax.kernels.dispatch import resolve
+from djax.kernels.fp8_gemm_ref import quantize_act
+from djax.kernels.fp8_gemm_triton import Fp8Config, fewest_splits
 from djax.kernels.grouped_gemm import GemmConfig, grouped_gemm, grouped_swiglu
 from djax.models.layers import swiglu_act, takes_fp8_grouped
 from djax.quant import dense
-
-LAYOUT_MAX_PICKS = 4096  # moe_layout_triton.MAX_PICKS (that module imports Triton)
 
 # Picks per expert decide the tile height: small tiles waste less padding at decode sizes.
 DECODE_CFG = GemmConfig(block_m=16, block_n=128, block_k=128, num_warps=4, num_stages=4)
@@ -54,11 +56,9 @@ def layout(idx, num_experts: int, block_m: int, impl: str = "auto") -> Layout:
     jnp), "triton" (`moe_layout_triton`: one program instead of about ten XLA kernels; up to its
     MAX_PICKS picks, more take the reference), "interpret" (that program in Triton's CPU interpreter) or
     "auto" (Triton on CUDA)."""
-    from djax.kernels.dispatch import resolve
-
     impl = resolve(impl, ("ref", "triton", "interpret"))
     n, k = idx.shape
-    if impl == "ref" or n * k > LAYOUT_MAX_PICKS:
+    if impl == "ref" or n * k > moe_layout_triton.MAX_PICKS:
         return layout_ref(idx, num_experts, block_m)
     m_pad = padded_rows(n * k, num_experts, block_m)
     out = (
@@ -72,18 +72,15 @@ def layout(idx, num_experts: int, block_m: int, impl: str = "auto") -> Layout:
         def host(i):
             import torch
 
-            from djax.kernels.moe_layout_triton import launch_torch
-
-            got = launch_torch(torch.from_numpy(np.array(i)), num_experts, block_m, m_pad)
+            got = moe_layout_triton.launch_torch(torch.from_numpy(np.array(i)), num_experts, block_m, m_pad)
             return tuple(t.numpy() for t in got)
 
         return Layout(*jax.pure_callback(host, out, idx))
     from djax.ffi import cubin
-    from djax.kernels import moe_layout_triton as tk
 
-    cx = tk.constexprs(n * k, k, num_experts, block_m, m_pad)
+    cx = moe_layout_triton.constexprs(n * k, k, num_experts, block_m, m_pad)
     names = ["idx_ptr", "rows_ptr", "mind_ptr", "pos_ptr"]
-    kern = cubin.compile_triton(tk.layout_kernel, names, [jnp.int32] * 4, cx, num_warps=4)
+    kern = cubin.compile_triton(moe_layout_triton.layout_kernel, names, [jnp.int32] * 4, cx, num_warps=4)
     return Layout(*cubin.launch(kern, (1,), [idx], list(out)))
 
 
@@ -121,20 +118,14 @@ def fp8_config(n_picks: int, num_experts: int) -> GemmConfig:
 def fp8_split(cfg: GemmConfig, n_picks: int, num_experts: int, n_out: int, k_in: int) -> GemmConfig:
     """The config for one FP8 grouped GEMM of the experts: cfg as given when it names its own K split (an
     `fp8_gemm_triton.Fp8Config`), else cfg split along K as `fp8_gemm_triton.dense_config` splits a dense
-    decode GEMM: the fewest of 1, 2, 4 or 8 splits (dividing the K blocks, two or more each) that give 256
-    programs over the tiles that can hold picks (at most one per expert picked, n_picks or num_experts),
-    else the most of them. At one token a V4-Flash gate projection is 6 experts x 16 column tiles: 96
+    decode GEMM (`fewest_splits`), counting the tiles that can hold picks (at most one per expert picked,
+    n_picks or num_experts). At one token a V4-Flash gate projection is 6 experts x 16 column tiles: 96
     programs for 132 SMs unsplit."""
-    from djax.kernels.fp8_gemm_triton import Fp8Config
-
     if isinstance(cfg, Fp8Config):
         return cfg
-    kb = k_in // 128
     tiles = min(n_picks, num_experts, padded_rows(n_picks, num_experts, cfg.block_m) // cfg.block_m)
     tiles *= -(-n_out // cfg.block_n)
-    splits = [s for s in (1, 2, 4, 8) if kb % s == 0 and kb // s >= 2] or [1]
-    split = next((s for s in splits if tiles * s >= 256), splits[-1])
-    return Fp8Config(**vars(cfg), split_k=split)
+    return Fp8Config(**vars(cfg), split_k=fewest_splits(tiles, k_in // 128))
 
 
 def moe_experts_fp8(
@@ -148,9 +139,6 @@ def moe_experts_fp8(
 
     Gate and up come out in x's dtype and the SwiGLU runs in float32 before its quantization, as in
     DeepSeek's inference (bf16 linear outputs, then the activation quantized)."""
-    from djax.kernels.fp8_gemm import grouped_contiguous  # here: the kernel module imports Triton
-    from djax.kernels.fp8_gemm_ref import quantize_act
-
     for name, w in (("w1", w1), ("w2", w2), ("w3", w3)):
         if not takes_fp8_grouped(w):
             raise ValueError(
@@ -167,7 +155,9 @@ def moe_experts_fp8(
     def gemm(a, a_scale, w):
         scale = w.scale.astype(jnp.float32)
         c = fp8_split(cfg, n * k, e, *w.shape[1:])
-        return grouped_contiguous(a, a_scale, w.values, scale, lay.m_indices, out_dtype=dt, impl=impl, cfg=c)
+        return fp8_gemm.grouped_contiguous(
+            a, a_scale, w.values, scale, lay.m_indices, out_dtype=dt, impl=impl, cfg=c
+        )
 
     a, a_scale = xq[src], xs[src]
     gate, up = gemm(a, a_scale, w1), gemm(a, a_scale, w3)

@@ -144,11 +144,10 @@ def test_layout_kernel_equals_reference(n, k, e, bm):
 
 def test_layout_past_the_kernel_takes_the_reference():
     """More picks than the one program holds: the reference's layout, whatever impl asks for."""
-    from djax.kernels.moe_experts import LAYOUT_MAX_PICKS
     from djax.kernels.moe_layout_triton import MAX_PICKS
 
-    assert LAYOUT_MAX_PICKS == MAX_PICKS == 4096  # the bound moe_experts checks without importing Triton
     idx = jnp.asarray(np.random.default_rng(0).integers(0, 16, (1100, 4)), jnp.int32)  # 4,400 picks
+    assert idx.size > MAX_PICKS
     got = layout(idx, 16, 64, "interpret")
     want = layout(idx, 16, 64, "ref")
     for g, w in zip(got, want):
