@@ -195,9 +195,8 @@ def test_decode_fp8_model_auto_within_bf16_error(monkeypatch):
     slow = _decode_logits(pbf, bf, tokens, lens, "ref")
     ops = {"fp8_gemm", "grouped_contiguous"}
 
-    def took(
-        impl,
-    ):  # the ops called with `impl` (the bf16 prefill's routed experts take "triton" in both runs)
+    # the ops called with `impl` (the bf16 prefill's routed experts take "triton" in both runs)
+    def took(impl):
         return {op for op, i in impls if i == impl}
 
     assert took("ref") == ops and not took("auto"), impls
