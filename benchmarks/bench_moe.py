@@ -3,6 +3,8 @@ e 256, top-6): each fast output is checked against a reference before it is time
 
 from __future__ import annotations
 
+from dataclasses import replace
+
 import jax
 import jax.numpy as jnp
 import numpy as np
@@ -439,7 +441,7 @@ def moe_fp8_cases(record, small: bool):
         if n * k <= MAX_PICKS:
             layout_rows(record, shape, [(s[2],) for s in sets], e, default.block_m)
         for cfg in tilings + (forced if n <= 32 else forced[:1]):
-            tag = f"bm{cfg.block_m} bn{cfg.block_n} w{cfg.num_warps} st{cfg.num_stages}"
+            tag = tiles(cfg)
             tag += f" split {cfg.split_k}" if isinstance(cfg, Fp8Config) else ""
             record(
                 "moe_experts_fp8",
@@ -452,3 +454,63 @@ def moe_fp8_cases(record, small: bool):
                 tr,
                 check,
             )
+        record(
+            "moe_experts_fp8",
+            shape,
+            "fp8 grouped, gate and up as two GEMMs (before the fused kernel)",
+            lambda *a, c=default: experts_fp8_unfused(*a, cfg=c),
+            sets,
+            flops,
+            touched * per_expert["fp8"],
+            tr,
+            check,
+        )
+        for c, fused in fused_variants(default) if n <= 32 or n >= 4096 else ():
+            record(
+                "moe_experts_fp8",
+                shape,
+                f"fp8 grouped {tiles(c)}, fused gate/up {tiles(fused)}",
+                lambda *a, c=c, f=fused: moe_experts_fp8(*a, LIMIT, impl="triton", cfg=c, swiglu_cfg=f),
+                sets,
+                flops,
+                touched * per_expert["fp8"],
+                tr,
+                check,
+            )
+
+
+def tiles(cfg) -> str:
+    return f"bm{cfg.block_m} bn{cfg.block_n} w{cfg.num_warps} st{cfg.num_stages}"
+
+
+def fused_variants(default):
+    """(cfg, swiglu_cfg) pairs: at decode (16-row tiles) the fused kernel's column tiles 128, 64, 32 with the
+    down GEMM as by default; at prefill the default's 64-row tiles with 128 columns, and 128-row tiles with
+    128 or 64."""
+    if default.block_m == 16:
+        return [(default, replace(default, block_n=bn)) for bn in (128, 64, 32)]
+    big = GemmConfig(128, 128, 128, 8, 4)
+    return [(default, replace(default, block_n=128)), (big, big), (big, replace(big, block_n=64))]
+
+
+def experts_fp8_unfused(x, weights, idx, w1, w2, w3, cfg):
+    """`moe_experts_fp8` as it ran before its gate/up kernel: gate and up as two grouped GEMMs (each split
+    along K by `fp8_split`) over a gathered copy of the quantized tokens, then XLA's SwiGLU."""
+    from djax.kernels.moe_experts import _combine, fp8_split
+    from djax.models.layers import swiglu_act
+
+    n, k, e = x.shape[0], idx.shape[1], w1.shape[0]
+    lay = layout(idx, e, cfg.block_m, "triton")
+    xq, xs = quantize_act(x)
+    src = jnp.maximum(lay.rows, 0)
+
+    def gemm(a, a_scale, w):
+        c = fp8_split(cfg, n * k, e, *w.shape[1:])
+        scale = w.scale.astype(jnp.float32)
+        return grouped_contiguous(a, a_scale, w.values, scale, lay.m_indices, x.dtype, "triton", c)
+
+    gate, up = gemm(xq[src], xs[src], w1), gemm(xq[src], xs[src], w3)
+    h = swiglu_act(gate.astype(jnp.float32), up.astype(jnp.float32), LIMIT)
+    h = jnp.where((lay.m_indices >= 0)[:, None], h, 0)
+    y = gemm(*quantize_act(h), w2)
+    return _combine(y, lay, weights, n, k, x.shape[1]).astype(x.dtype)

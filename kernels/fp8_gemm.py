@@ -12,7 +12,12 @@ import numpy as np
 
 from djax.kernels import dispatch, shapes
 from djax.kernels.dispatch import H200_SMS, resolve
-from djax.kernels.fp8_gemm_ref import fp8_gemm_ref, grouped_contiguous_ref, grouped_masked_ref
+from djax.kernels.fp8_gemm_ref import (
+    fp8_gemm_ref,
+    grouped_contiguous_ref,
+    grouped_masked_ref,
+    grouped_swiglu_contiguous_ref,
+)
 from djax.kernels.fp8_gemm_triton import DEFAULT_CFG as FP8_CFG
 from djax.kernels.fp8_gemm_triton import dense_config, split_k
 from djax.kernels.grouped_gemm_triton import GemmConfig
@@ -110,6 +115,57 @@ def grouped_contiguous(
     return _run(impl, "contiguous", a, a_scale, b, b_scale, m_indices, out_dtype, cfg)
 
 
+def grouped_swiglu_contiguous(
+    a,
+    a_scale,
+    rows,
+    w1,
+    s1,
+    w3,
+    s3,
+    m_indices,
+    limit: float,
+    gate_dtype=jnp.bfloat16,
+    impl: str = "auto",
+    cfg: GemmConfig | None = None,
+):
+    """An MoE layer's gate and up projections and its SwiGLU in one pass; see
+    `fp8_gemm_ref.grouped_swiglu_contiguous_ref`. Triton (`fp8_swiglu_triton`): groups start at multiples of
+    cfg.block_m, m is a multiple of it, cfg.block_n divides 128 (no K split); rows of a skipped tile (its
+    first row padding) are left unwritten."""
+    shapes.fp8_swiglu_contiguous(a, a_scale, rows, w1, s1, w3, s3, m_indices)
+    impl = resolve(impl, GROUPED_IMPLS)
+    gate_dtype = jnp.dtype(gate_dtype)
+    if impl == "ref":
+        return grouped_swiglu_contiguous_ref(a, a_scale, rows, w1, s1, w3, s3, m_indices, limit, gate_dtype)
+    from djax.kernels import fp8_swiglu_triton as sk
+
+    cfg = cfg or FP8_CFG
+    f32, i32 = jnp.float32, jnp.int32
+    m, (_, n, k) = rows.shape[0], w1.shape
+    cx = sk.constexprs(m, n, k, limit, gate_dtype.name, cfg)  # checks the config at trace time
+    args = [
+        a,
+        a_scale.astype(f32),
+        rows.astype(i32),
+        w1,
+        s1.astype(f32),
+        w3,
+        s3.astype(f32),
+        m_indices.astype(i32),
+    ]
+    out = jax.ShapeDtypeStruct((m, n), f32)
+    if impl == "interpret":
+        host = lambda *h: _host_swiglu(limit, gate_dtype.name, cfg, *h)  # noqa: E731
+        return jax.pure_callback(host, out, *args)
+    from djax.ffi import cubin
+
+    names = ["a_ptr", "as_ptr", "rows_ptr", "w1_ptr", "s1_ptr", "w3_ptr", "s3_ptr", "grp_ptr", "h_ptr"]
+    dtypes = [x.dtype for x in args] + [out.dtype]
+    kern = cubin.compile_triton(sk.fp8_swiglu_kernel, names, dtypes, cx, cfg.num_warps, cfg.num_stages)
+    return cubin.launch(kern, sk.grid(m, n, cfg), args, out)
+
+
 def grouped_masked(
     a,
     a_scale,
@@ -166,3 +222,14 @@ def _host(mode, cfg, out_dtype, a, a_scale, b, b_scale, groups):
         b, b_scale = b[0], b_scale[0]
     out = launch_torch(t(a), t(a_scale), t(b), t(b_scale), None if mode == "dense" else g, mode, cfg)
     return out.numpy().astype(out_dtype)
+
+
+def _host_swiglu(limit, gate_dtype, cfg, a, a_scale, rows, w1, s1, w3, s3, groups):
+    import torch
+
+    from djax.kernels.fp8_swiglu_triton import launch_torch
+
+    t = lambda x: torch.from_numpy(np.array(x, np.float32))  # noqa: E731
+    i = lambda x: torch.from_numpy(np.array(x, np.int32))  # noqa: E731
+    h = launch_torch(t(a), t(a_scale), i(rows), t(w1), t(s1), t(w3), t(s3), i(groups), limit, gate_dtype, cfg)
+    return h.numpy()

@@ -9,6 +9,8 @@ from __future__ import annotations
 import jax
 import jax.numpy as jnp
 
+from djax.kernels.grouped_gemm_ref import swiglu_f32
+
 F32 = jnp.float32
 FP8 = jnp.float8_e4m3fn
 FP8_MAX = 448.0
@@ -76,6 +78,20 @@ def grouped_contiguous_ref(a, a_scale, b, b_scale, m_indices, out_dtype=jnp.bflo
 
     out, _ = jax.lax.scan(one, jnp.zeros((a.shape[0], b.shape[1]), F32), jnp.arange(b.shape[0]))
     return out.astype(out_dtype)
+
+
+def grouped_swiglu_contiguous_ref(
+    a, a_scale, rows, w1, s1, w3, s3, m_indices, limit: float, gate_dtype=jnp.bfloat16
+):
+    """The experts' gate and up in the contiguous layout, then the clamped SwiGLU (`swiglu_f32`). a fp8[n, k]
+    token rows, a_scale f32[n, kb]; rows int32[m] the token of each padded row (-1 for padding); w1, w3
+    fp8[g, f, k] with s1, s3 f32[g, fb, kb]; m_indices int32[m]. Gate and up are rounded to gate_dtype (the
+    model's dtype, as GEMMs with that output would) before the SwiGLU. Returns f32[m, f], padding rows 0."""
+    src = jnp.maximum(rows, 0)
+    a, a_scale = a[src], a_scale[src]
+    gate = grouped_contiguous_ref(a, a_scale, w1, s1, m_indices, gate_dtype)
+    up = grouped_contiguous_ref(a, a_scale, w3, s3, m_indices, gate_dtype)
+    return jnp.where(((m_indices >= 0) & (rows >= 0))[:, None], swiglu_f32(gate, up, limit), 0.0)
 
 
 def grouped_masked_ref(a, a_scale, b, b_scale, masked_m, out_dtype=jnp.bfloat16):

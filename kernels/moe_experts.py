@@ -7,6 +7,7 @@ block-scaled grouped GEMM, with the activations quantized 1x128 as DeepSeek's in
 
 from __future__ import annotations
 
+from dataclasses import replace
 from typing import NamedTuple
 
 import jax
@@ -18,17 +19,17 @@ from djax.kernels.dispatch import resolve
 from djax.kernels.fp8_gemm_ref import quantize_act
 from djax.kernels.fp8_gemm_triton import Fp8Config, fewest_splits
 from djax.kernels.grouped_gemm import GemmConfig, grouped_gemm, grouped_swiglu
-from djax.models.layers import swiglu_act, takes_fp8_grouped
+from djax.models.layers import takes_fp8_grouped
 from djax.quant import dense
 
 # Picks per expert decide the tile height: small tiles waste less padding at decode sizes.
 DECODE_CFG = GemmConfig(block_m=16, block_n=128, block_k=128, num_warps=4, num_stages=4)
 PREFILL_CFG = GemmConfig(block_m=64, block_n=128, block_k=64, num_warps=4, num_stages=4)
 # FP8 (block_k is the 128-wide scale block): 16-row tiles (mma.sync) at decode, where an expert has a few
-# picks and every padded row is a gathered copy of x; 64-row wgmma tiles at prefill. H200, V4-Flash experts
-# (bench_kernels --only moe_fp8, kernels_h200_moe_fp8_layout.json, with the layout kernel and `fp8_split`):
-# 1 / 32 / 128 tokens 62.6 / 294 / 441 us with 16 x 128 tiles (16 x 64: 60.2 / 297 / 445; 64 x 128: 82.0 /
-# 404 / 574); 4,096 tokens 2,474 us with 64 x 128 (128 x 128: 2,931).
+# picks and every padded row is computed; 64-row wgmma tiles at prefill. The fused gate/up kernel takes
+# `swiglu_config`'s columns, the down GEMM these. H200, V4-Flash experts (bench_kernels --only moe_fp8,
+# kernels_h200_moe_fp8_fused_default.json): 1 / 32 / 128 tokens 56.4 / 243 / 389 us with 16-row tiles (64
+# rows: 64.3 / 303 / 440); 4,096 tokens 2,284 us with 64 (128 rows, 8 warps: 2,611).
 FP8_DECODE_CFG = GemmConfig(block_m=16, block_n=128, block_k=128, num_warps=4, num_stages=4)
 FP8_PREFILL_CFG = GemmConfig(block_m=64, block_n=128, block_k=128, num_warps=4, num_stages=4)
 
@@ -123,19 +124,53 @@ def fp8_split(cfg: GemmConfig, n_picks: int, num_experts: int, n_out: int, k_in:
     programs for 132 SMs unsplit."""
     if isinstance(cfg, Fp8Config):
         return cfg
-    tiles = min(n_picks, num_experts, padded_rows(n_picks, num_experts, cfg.block_m) // cfg.block_m)
-    tiles *= -(-n_out // cfg.block_n)
+    tiles = row_tiles(n_picks, num_experts, cfg.block_m) * -(-n_out // cfg.block_n)
     return Fp8Config(**vars(cfg), split_k=fewest_splits(tiles, k_in // 128))
 
 
+def row_tiles(n_picks: int, num_experts: int, block_m: int) -> int:
+    """Row tiles that can hold picks: at most one per expert picked (n_picks or num_experts), and at most
+    the padded rows' tiles."""
+    return min(n_picks, num_experts, padded_rows(n_picks, num_experts, block_m) // block_m)
+
+
+def swiglu_config(cfg: GemmConfig, n_picks: int, num_experts: int, n_out: int) -> GemmConfig:
+    """The tiles of the fused gate/up kernel (`fp8_gemm.grouped_swiglu_contiguous`, which has no K split): an
+    `Fp8Config` as given (a caller's own tiles), else cfg's with half its columns (the kernel keeps two
+    accumulators, gate and up), halved again, down to 32, until the tiles that can hold picks (counted as in
+    `fp8_split`) make 256 programs, about two per SM.
+
+    H200, V4-Flash experts (bench_kernels --only moe_fp8, kernels_h200_moe_fp8_fused_default.json): one
+    token 6 experts x 64 tiles of 32 columns, 55.9 us against 57.1 / 59.0 with 64 / 128 columns; 32 tokens
+    64 columns 241.4 us against 246.8 / 246.7 with 128 / 32; 4,096 tokens (64-row tiles) 64 columns 2,284
+    us against 2,665 with 128."""
+    if isinstance(cfg, Fp8Config):
+        return cfg
+    tiles, block_n = row_tiles(n_picks, num_experts, cfg.block_m), max(cfg.block_n // 2, 32)
+    while block_n > 32 and tiles * -(-n_out // block_n) < 256:
+        block_n //= 2
+    return replace(cfg, block_n=block_n)
+
+
 def moe_experts_fp8(
-    x, weights, idx, w1, w2, w3, limit: float, impl: str = "auto", cfg: GemmConfig | None = None
+    x,
+    weights,
+    idx,
+    w1,
+    w2,
+    w3,
+    limit: float,
+    impl: str = "auto",
+    cfg: GemmConfig | None = None,
+    swiglu_cfg: GemmConfig | None = None,
 ) -> jax.Array:
     """Routed experts with FP8 weights (each `takes_fp8_grouped`) read as stored: x and the SwiGLU output are
-    quantized to e4m3 per row and 128 columns, and each of w1, w3, w2 is one block-scaled grouped GEMM over
-    the picks in expert-contiguous order (`fp8_gemm.grouped_contiguous`), split along K where its tiles are
-    too few for the SMs (`fp8_split`). Contract as `moe_experts`; impl as in `grouped_contiguous` ("ref" the
-    jnp spec). Returns [n, d] in x's dtype.
+    quantized to e4m3 per row and 128 columns; gate (w1), up (w3) and the SwiGLU are one block-scaled kernel
+    over the picks in expert-contiguous order (`fp8_gemm.grouped_swiglu_contiguous`, its tiles narrowed by
+    `swiglu_config` where too few), the down projection (w2) one grouped GEMM (`fp8_gemm.grouped_contiguous`)
+    split along K where its tiles are too few for the SMs (`fp8_split`). Contract as `moe_experts`; impl as in
+    `grouped_contiguous` ("ref" the jnp spec); `swiglu_cfg` the fused kernel's tiles (block_m as cfg's), None
+    for `swiglu_config`'s. Returns [n, d] in x's dtype.
 
     Gate and up come out in x's dtype and the SwiGLU runs in float32 before its quantization, as in
     DeepSeek's inference (bf16 linear outputs, then the activation quantized)."""
@@ -147,25 +182,32 @@ def moe_experts_fp8(
     n, d = x.shape
     e, k = w1.shape[0], idx.shape[1]
     cfg = cfg or fp8_config(n * k, e)
+    if swiglu_cfg is not None and swiglu_cfg.block_m != cfg.block_m:
+        raise ValueError(f"swiglu_cfg's block_m {swiglu_cfg.block_m} must be the layout's, {cfg.block_m}")
     lay = layout(idx, e, cfg.block_m, impl)
     dt = x.dtype
+    scale = lambda w: w.scale.astype(jnp.float32)  # noqa: E731
     xq, xs = quantize_act(x)
-    src = jnp.maximum(lay.rows, 0)  # padding rows read token 0; their outputs are never gathered
-
-    def gemm(a, a_scale, w):
-        scale = w.scale.astype(jnp.float32)
-        c = fp8_split(cfg, n * k, e, *w.shape[1:])
-        return fp8_gemm.grouped_contiguous(
-            a, a_scale, w.values, scale, lay.m_indices, out_dtype=dt, impl=impl, cfg=c
-        )
-
-    a, a_scale = xq[src], xs[src]
-    gate, up = gemm(a, a_scale, w1), gemm(a, a_scale, w3)
-    # padding rows are zeroed: a skipped tile leaves its rows unwritten (any bits, nan included)
-    h = jnp.where(
-        (lay.m_indices >= 0)[:, None], swiglu_act(gate.astype(jnp.float32), up.astype(jnp.float32), limit), 0
+    h = fp8_gemm.grouped_swiglu_contiguous(
+        xq,
+        xs,
+        lay.rows,
+        w1.values,
+        scale(w1),
+        w3.values,
+        scale(w3),
+        lay.m_indices,
+        limit,
+        dt,
+        impl=impl,
+        cfg=swiglu_cfg or swiglu_config(cfg, n * k, e, w1.shape[1]),
     )
-    y = gemm(*quantize_act(h), w2)  # [m_pad, d]
+    # padding rows are zeroed: a skipped tile leaves its rows unwritten (any bits, nan included)
+    hq, hs = quantize_act(jnp.where((lay.m_indices >= 0)[:, None], h, 0.0))
+    c = fp8_split(cfg, n * k, e, *w2.shape[1:])
+    y = fp8_gemm.grouped_contiguous(
+        hq, hs, w2.values, scale(w2), lay.m_indices, out_dtype=dt, impl=impl, cfg=c
+    )
     return _combine(y, lay, weights, n, k, d).astype(dt)
 
 

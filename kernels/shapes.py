@@ -37,6 +37,22 @@ def fp8_contiguous(a, a_scale, b, b_scale, m_indices) -> None:
     expect(op, "m_indices", m_indices, (m,))
 
 
+def fp8_swiglu_contiguous(a, a_scale, rows, w1, s1, w3, s3, m_indices) -> None:
+    """a [t, k] token rows, a_scale [t, ceil(k/128)], rows [m], w1 and w3 [g, f, k], s1 and s3
+    [g, ceil(f/128), ceil(k/128)], m_indices [m]."""
+    op = "grouped_swiglu_contiguous"
+    expect(op, "a", a, (None, None))
+    t, k = a.shape
+    expect(op, "a_scale", a_scale, (t, scale_blocks(k)))
+    expect(op, "rows", rows, (None,))
+    expect(op, "m_indices", m_indices, rows.shape)
+    expect(op, "w1", w1, (None, None, k))
+    expect(op, "w3", w3, w1.shape)
+    g, f = w1.shape[:2]
+    expect(op, "s1", s1, (g, scale_blocks(f), scale_blocks(k)))
+    expect(op, "s3", s3, s1.shape)
+
+
 def fp8_masked(a, a_scale, b, b_scale, masked_m) -> None:
     """a [g, M, k], b [g, n, k], a_scale [g, M, ceil(k/128)], b_scale [g, ceil(n/128), ceil(k/128)],
     masked_m [g]."""

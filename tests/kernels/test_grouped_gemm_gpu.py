@@ -7,7 +7,7 @@ import numpy as np
 import pytest
 from checks import assert_close
 
-from djax.kernels.fp8_gemm import fp8_gemm, grouped_contiguous, grouped_masked
+from djax.kernels.fp8_gemm import fp8_gemm, grouped_contiguous, grouped_masked, grouped_swiglu_contiguous
 from djax.kernels.fp8_gemm_ref import quantize_act, quantize_weight
 from djax.kernels.fp8_gemm_triton import Fp8Config
 from djax.kernels.grouped_gemm import GemmConfig, grouped_gemm_masked, grouped_swiglu_masked
@@ -103,6 +103,29 @@ def test_moe_experts_fp8_triton_within_bf16_error(n, cfg):
     truth = np.asarray(truth, np.float64)
     err = lambda a: float(np.linalg.norm(np.asarray(a, np.float64) - truth) / np.linalg.norm(truth))  # noqa: E731
     assert err(fast) <= 2 * err(slow) + 1e-3, (err(fast), err(slow))
+
+
+@pytest.mark.parametrize("gate_dtype,rtol", [(jnp.float32, 1e-3), (BF16, 4e-3)])
+@pytest.mark.parametrize("n,bm,bn", [(1, 16, 32), (37, 16, 64), (300, 64, 128)])
+def test_fused_fp8_swiglu_matches_ref(n, bm, bn, gate_dtype, rtol):
+    """The fused FP8 gate/up/SwiGLU kernel against its jnp reference on the rows it writes; padding rows
+    inside a written tile come out as 0. Float32 gate and up: the kernel's per-block FP8 sums against XLA's
+    float32 product of the dequantized operands. Rounded to bf16 first, in both: where the two float32 sums
+    differ at all, a gate or up can round to the neighbouring bf16 value (one step, 2^-8 relative), so the
+    bound is one such step (a misplaced scale costs O(1))."""
+    x, _, idx, w1, _, w3 = _moe(50 + n, n, 512, 256, 32, 6)
+    q1, q3 = quantize(w1.astype(jnp.float32)), quantize(w3.astype(jnp.float32))
+    lay = layout(idx, 32, bm, "ref")
+    xq, xs = quantize_act(x)
+    args = (xq, xs, lay.rows, q1.values, q1.scale, q3.values, q3.scale, lay.m_indices)
+    cfg = GemmConfig(bm, bn, 128, 4, 4)
+    run = lambda *a: grouped_swiglu_contiguous(*a, 10.0, gate_dtype, impl="triton", cfg=cfg)  # noqa: E731
+    got = np.asarray(jax.jit(run)(*args))
+    want = np.asarray(grouped_swiglu_contiguous(*args, 10.0, gate_dtype, impl="ref"))
+    m_idx = np.asarray(lay.m_indices)
+    written = np.repeat(m_idx[::bm] >= 0, bm)
+    assert (got[written & (m_idx < 0)] == 0).all()
+    assert_close(got[written], want[written], rtol)
 
 
 @pytest.mark.parametrize("cfg", [DECODE_CFG, GemmConfig(16, 64, 128, 4, 4)])

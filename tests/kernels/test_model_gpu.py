@@ -162,8 +162,8 @@ def test_decode_kernels_auto_within_bf16_error(name, heads, monkeypatch):
 
 def test_decode_fp8_model_auto_within_bf16_error(monkeypatch):
     """An FP8 model (projections and routed experts as e4m3 with 128x128 scales, `quantize_projections`)
-    decoding with kernels="auto" (activations quantized 1x128, then the CUDA kernels of fp8_gemm and of the
-    FP8 grouped GEMM) against kernels="ref" (the same quantization, their jnp references), both bf16, judged
+    decoding with kernels="auto" (activations quantized 1x128, then the CUDA kernels of fp8_gemm, of the
+    FP8 gate/up kernel and of the FP8 grouped GEMM) against kernels="ref" (the same quantization, their jnp references), both bf16, judged
     against a float32 run of "ref"."""
     from djax.kernels import fp8_gemm as kfp8
 
@@ -185,7 +185,8 @@ def test_decode_fp8_model_auto_within_bf16_error(monkeypatch):
     lens = jnp.array([64, 40, 17, 5], jnp.int32)
 
     impls = []
-    for op in ("fp8_gemm", "grouped_contiguous"):
+    ops = {"fp8_gemm", "grouped_contiguous", "grouped_swiglu_contiguous"}
+    for op in ops:
         fn = getattr(kfp8, op)
         monkeypatch.setattr(
             kfp8, op, lambda *a, fn=fn, op=op, **kw: impls.append((op, kw["impl"])) or fn(*a, **kw)
@@ -193,7 +194,6 @@ def test_decode_fp8_model_auto_within_bf16_error(monkeypatch):
     launched = _record_launches(monkeypatch)
     truth = _decode_logits(p32, cfg, tokens, lens, "ref")
     slow = _decode_logits(pbf, bf, tokens, lens, "ref")
-    ops = {"fp8_gemm", "grouped_contiguous"}
 
     # the ops called with `impl` (the bf16 prefill's routed experts take "triton" in both runs)
     def took(impl):
@@ -203,6 +203,7 @@ def test_decode_fp8_model_auto_within_bf16_error(monkeypatch):
     impls.clear()
     fast = _decode_logits(pbf, bf, tokens, lens, "auto")
     assert took("auto") == ops and not took("ref"), impls
-    assert "fp8_gemm_kernel" in launched, launched  # Triton's FP8 GEMM: projections and grouped experts
+    assert "fp8_gemm_kernel" in launched, launched  # Triton's FP8 GEMM: projections and the experts' down
+    assert "fp8_swiglu_kernel" in launched, launched  # the experts' gate, up and SwiGLU
     err_slow, err_fast = _typical_rel(slow, truth), _typical_rel(fast, truth)
     assert err_fast <= 2 * err_slow + 1e-3, (err_fast, err_slow)

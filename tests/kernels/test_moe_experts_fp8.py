@@ -2,6 +2,8 @@
 that quantizes each pick's activations itself, the Triton kernels (interpreted, f32 stand-ins) against the jnp
 path, and the weights it refuses."""
 
+from dataclasses import replace
+
 import jax
 import jax.numpy as jnp
 import ml_dtypes
@@ -9,9 +11,18 @@ import numpy as np
 import pytest
 from checks import assert_close, needs_triton_interp
 
+from djax.kernels import fp8_gemm
+from djax.kernels.fp8_gemm_ref import quantize_act
 from djax.kernels.fp8_gemm_triton import Fp8Config
 from djax.kernels.grouped_gemm import GemmConfig
-from djax.kernels.moe_experts import FP8_DECODE_CFG, FP8_PREFILL_CFG, fp8_split, moe_experts_fp8
+from djax.kernels.moe_experts import (
+    FP8_DECODE_CFG,
+    FP8_PREFILL_CFG,
+    fp8_split,
+    layout,
+    moe_experts_fp8,
+    swiglu_config,
+)
 from djax.quant import QArray, quantize
 
 E4M3 = ml_dtypes.float8_e4m3fn
@@ -99,6 +110,38 @@ def test_interpreted_split_k_matches_ref():
         lambda *a, impl, c: moe_experts_fp8(*a, 1.5, impl=impl, cfg=c), static_argnames=("impl", "c")
     )
     assert_close(run(*args, impl="interpret", c=split), run(*args, impl="ref", c=cfg), 1e-5)
+
+
+@needs_triton_interp
+@pytest.mark.parametrize("gate_dtype,limit", [(jnp.bfloat16, 1.5), (jnp.float16, 1.5), (jnp.float32, 0.0)])
+def test_fused_swiglu_interpreted_matches_ref(gate_dtype, limit):
+    """The fused gate/up/SwiGLU kernel alone: token rows read through `rows` (one expert with more picks than a
+    16-row tile, so padding rows inside a live tile, then whole tiles of padding), 192 output columns (a
+    partial weight-scale block, the last of three 64-column tiles), gate and up rounded to the model's dtype."""
+    x, _, idx, w1, _, w3 = _inputs(5, 9, 256, 192, 6, 3)
+    lay = layout(idx, 6, 16, "ref")
+    xq, xs = quantize_act(x)
+    cfg = GemmConfig(block_m=16, block_n=64, block_k=128, num_warps=4, num_stages=1)
+    args = (xq, xs, lay.rows, w1.values, w1.scale, w3.values, w3.scale, lay.m_indices, limit, gate_dtype)
+    got = np.asarray(fp8_gemm.grouped_swiglu_contiguous(*args, impl="interpret", cfg=cfg))
+    want = np.asarray(fp8_gemm.grouped_swiglu_contiguous(*args, impl="ref"))
+    m_idx = np.asarray(lay.m_indices)
+    written = np.repeat(m_idx[::16] >= 0, 16)  # tiles whose first row is a pick
+    assert (m_idx >= 0).sum() == 27 and (written & (m_idx < 0)).any() and not written.all()
+    assert np.isnan(got[~written]).all()  # skipped tiles are left as they were
+    assert (got[written & (m_idx < 0)] == 0).all() and np.abs(want).max() > 0.1
+    assert_close(got[written], want[written], 1e-5)
+
+
+def test_swiglu_config_narrows_decode_tiles():
+    """V4-Flash gate/up (f 2048, 256 experts, top-6): half the GEMMs' 128 columns (two accumulators), and at
+    one token 32 (6 experts x 64 tiles: 384 programs); prefill tiles keep 64-row tiles and take 64 columns;
+    a caller's Fp8Config is kept as given."""
+    assert swiglu_config(FP8_DECODE_CFG, 6, 256, 2048).block_n == 32
+    assert swiglu_config(FP8_DECODE_CFG, 192, 256, 2048) == replace(FP8_DECODE_CFG, block_n=64)
+    assert swiglu_config(FP8_PREFILL_CFG, 6 * 4096, 256, 2048) == replace(FP8_PREFILL_CFG, block_n=64)
+    own = Fp8Config(**vars(FP8_DECODE_CFG), split_k=2)
+    assert swiglu_config(own, 6, 256, 2048) is own
 
 
 def test_fp8_split_fills_the_sms_at_decode():

@@ -103,15 +103,23 @@ def test_quantize_projections_takes_what_an_fp8_checkpoint_holds():
     }
 
 
+_WEIGHT_AT = {
+    "fp8_gemm": 2,
+    "grouped_contiguous": 2,
+    "grouped_swiglu_contiguous": 3,
+}  # op -> weight's position
+
+
 def _record_fp8_kernels(monkeypatch) -> dict[str, list]:
-    """The weight shapes `fp8_gemm` and `grouped_contiguous` are traced with from now on, by op."""
-    calls = {"fp8_gemm": [], "grouped_contiguous": []}
+    """The weight shapes `fp8_gemm`, `grouped_contiguous` and `grouped_swiglu_contiguous` (its gate's) are
+    traced with from now on, by op."""
+    calls = {op: [] for op in _WEIGHT_AT}
     for op, seen in calls.items():
-        fn = getattr(kfp8, op)
+        fn, at = getattr(kfp8, op), _WEIGHT_AT[op]
         monkeypatch.setattr(
             kfp8,
             op,
-            lambda a, s, b, *r, fn=fn, seen=seen, **kw: seen.append(tuple(b.shape)) or fn(a, s, b, *r, **kw),
+            lambda *a, fn=fn, at=at, seen=seen, **kw: seen.append(tuple(a[at].shape)) or fn(*a, **kw),
         )
     return calls
 
@@ -140,8 +148,8 @@ def _typical_error(out) -> float:
 
 def test_decode_runs_fp8_weights_through_fp8_kernels(monkeypatch):
     """kernels="ref": every 128-multiple projection of a decode step goes through fp8_gemm (once per trace) and
-    every layer's routed experts through three FP8 grouped GEMMs, a prefill chunk through none; the logits
-    stay near the dense path's, which does not round activations."""
+    every layer's routed experts through the FP8 gate/up kernel and one FP8 grouped GEMM, a prefill chunk
+    through none; the logits stay near the dense path's, which does not round activations."""
     cfg = _config()
     params = quantize_projections(init_params_host(cfg), cfg)
     projections = sorted(
@@ -151,7 +159,8 @@ def test_decode_runs_fp8_weights_through_fp8_kernels(monkeypatch):
     )
     assert len(projections) >= 12
     e, d, f = cfg.n_routed_experts, cfg.hidden_size, cfg.moe_intermediate_size
-    experts = sorted([(e, f, d), (e, f, d), (e, d, f)] * cfg.num_hidden_layers)
+    experts = {"grouped_swiglu_contiguous": [(e, f, d)] * cfg.num_hidden_layers}
+    experts["grouped_contiguous"] = [(e, d, f)] * cfg.num_hidden_layers
     calls = _record_fp8_kernels(monkeypatch)
 
     b, n = 2, 24
@@ -164,14 +173,12 @@ def test_decode_runs_fp8_weights_through_fp8_kernels(monkeypatch):
 
         return jax.lax.scan(step, v4.init_state(cfg, b, n + 8), t.T)[1]
 
-    out = _logits_off_and_ref(
-        run, params, tokens, calls, {"fp8_gemm": projections, "grouped_contiguous": experts}
-    )
+    out = _logits_off_and_ref(run, params, tokens, calls, {"fp8_gemm": projections, **experts})
 
-    calls["fp8_gemm"].clear()
-    calls["grouped_contiguous"].clear()
+    for seen in calls.values():
+        seen.clear()
     jax.eval_shape(lambda p, t: v4.extend(p, t, v4.init_state(cfg, b, n), cfg, kernels="ref"), params, tokens)
-    assert calls == {"fp8_gemm": [], "grouped_contiguous": []}  # a prefill chunk makes the weights dense
+    assert calls == {op: [] for op in _WEIGHT_AT}  # a prefill chunk makes the weights dense
 
     # Rounding the activations to e4m3 (3 mantissa bits: a relative error of up to 2^-4, 3.6% rms) moves each
     # projection's output by about 3.6% rms; through three layers of this random-weight model the median over
@@ -202,8 +209,8 @@ def _v3_config():
 
 def test_v3_decode_runs_fp8_weights_through_fp8_kernels(monkeypatch):
     """V3's decode step under kernels="ref": every FP8 projection in DeepGEMM's layout through fp8_gemm (wkv_b,
-    split per head, made dense) and each MoE layer's routed experts through three FP8 grouped GEMMs; "off"
-    through neither; the logits near the dense path's."""
+    split per head, made dense) and each MoE layer's routed experts through the FP8 gate/up kernel and one FP8
+    grouped GEMM; "off" through neither; the logits near the dense path's."""
     from djax.models import deepseek_v3 as v3
 
     cfg = _v3_config()
@@ -215,7 +222,11 @@ def test_v3_decode_runs_fp8_weights_through_fp8_kernels(monkeypatch):
     )
     assert len(projections) >= 10 and (cfg.kv_lora_rank + cfg.qk_rope_head_dim, 256) in projections  # wkv_a
     e, d, f = cfg.n_routed_experts, cfg.hidden_size, cfg.moe_intermediate_size
-    experts = sorted([(e, f, d), (e, f, d), (e, d, f)] * (cfg.num_hidden_layers - cfg.first_k_dense_replace))
+    moe_layers = cfg.num_hidden_layers - cfg.first_k_dense_replace
+    experts = {
+        "grouped_swiglu_contiguous": [(e, f, d)] * moe_layers,
+        "grouped_contiguous": [(e, d, f)] * moe_layers,
+    }
     calls = _record_fp8_kernels(monkeypatch)
 
     b, n = 2, 16
@@ -228,9 +239,7 @@ def test_v3_decode_runs_fp8_weights_through_fp8_kernels(monkeypatch):
 
         return jax.lax.scan(step, v3.init_state(cfg, b, n + 4), t.T)[1]
 
-    out = _logits_off_and_ref(
-        run, params, tokens, calls, {"fp8_gemm": projections, "grouped_contiguous": experts}
-    )
+    out = _logits_off_and_ref(run, params, tokens, calls, {"fp8_gemm": projections, **experts})
     typical = _typical_error(out)  # the activations' e4m3 rounding, as in the V4 test (measured 0.043 here)
     assert 1e-4 < typical < 0.1, typical
     with pytest.raises(ValueError, match="kernels must be one of"):

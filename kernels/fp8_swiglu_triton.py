@@ -1,0 +1,155 @@
+"""Triton: an MoE expert's FP8 gate and up projections from one pass over its rows, then the clamped SwiGLU.
+
+Contract: `fp8_gemm_ref.grouped_swiglu_contiguous_ref`. Contiguous layout as in `fp8_gemm_triton` (groups
+padded to multiples of BLOCK_M, `m_indices` per row, a tile whose first row is padding skipped and left
+unwritten), with each row's activations read from the token rows through `rows`, so no gathered copy of
+the quantized tokens is made. Every 128-wide K block of both weights is promoted as in `fp8_gemm_kernel`
+(DeepGEMM's per-block scaling); gate and up are rounded to the model's dtype (ROUND) before the SwiGLU, as
+the separate GEMMs' bf16 outputs are, and h is written in float32 for the 1x128 quantization that follows.
+
+Why one kernel: the separate path reads the activations twice, writes gate and up and reads them back, and
+at a token or two adds a K split's partial sums and their XLA reductions. There is no K split here (a
+split's partials would have to meet before the nonlinearity): at decode the column tiles are narrowed
+instead (`moe_experts.swiglu_config`).
+"""
+
+from __future__ import annotations
+
+import triton
+import triton.language as tl
+
+from djax.kernels.fp8_gemm_triton import SCALE_BLOCK
+from djax.kernels.grouped_gemm_triton import GemmConfig, _tile
+
+ROUNDINGS = {"float32": 0, "bfloat16": 1, "float16": 2}  # ROUND: the dtype gate and up pass through
+
+
+@triton.jit
+def _round_bf16(x):
+    """float32 rounded to the nearest bfloat16 (ties to even), kept in float32. By its bits, so that Triton's
+    CPU interpreter, whose bf16 cast truncates, computes what the GPU's does. x is finite."""
+    bits = x.to(tl.uint32, bitcast=True)
+    bits = (bits + 0x7FFF + ((bits >> 16) & 1)) & 0xFFFF0000
+    return bits.to(tl.float32, bitcast=True)
+
+
+@triton.jit
+def fp8_swiglu_kernel(
+    a_ptr,  # fp8[n, K]: token rows
+    as_ptr,  # f32[n, KB]
+    rows_ptr,  # int32[M]: the token row of each padded row, -1 for padding
+    w1_ptr,  # fp8[G, N, K]: gate
+    s1_ptr,  # f32[G, NB, KB]
+    w3_ptr,  # fp8[G, N, K]: up
+    s3_ptr,  # f32[G, NB, KB]
+    grp_ptr,  # int32[M]: the group of each row, -1 for padding
+    h_ptr,  # f32[M, N]
+    M: tl.constexpr,
+    N: tl.constexpr,
+    K: tl.constexpr,
+    LIMIT: tl.constexpr,  # <= 0: no clamp
+    ROUND: tl.constexpr,  # ROUNDINGS
+    BLOCK_M: tl.constexpr,
+    BLOCK_N: tl.constexpr,
+):
+    BK: tl.constexpr = 128
+    KB: tl.constexpr = (K + BK - 1) // BK
+    NB: tl.constexpr = (N + BK - 1) // BK
+    pid = tl.program_id(0)
+    n_tiles: tl.constexpr = (N + BLOCK_N - 1) // BLOCK_N
+    pid_m = pid // n_tiles
+    pid_n = pid % n_tiles
+    g, src, dst, live = _tile(grp_ptr, rows_ptr, pid_m, M, 0, BLOCK_M, False, True)
+    if g < 0:
+        return
+    src = tl.maximum(src, 0)  # padding rows (not live) read nothing
+    rn = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
+    n_ok = rn < N
+    rk = tl.arange(0, BK)
+    a_ptrs = a_ptr + src[:, None] * K + rk[None, :]
+    w_off = (g.to(tl.int64) * N + rn[:, None]) * K + rk[None, :]
+    w1_ptrs = w1_ptr + w_off
+    w3_ptrs = w3_ptr + w_off
+    as_ptrs = as_ptr + src * KB
+    s_off = (g.to(tl.int64) * NB + (pid_n * BLOCK_N) // BK) * KB
+    gate = tl.zeros([BLOCK_M, BLOCK_N], tl.float32)
+    up = tl.zeros([BLOCK_M, BLOCK_N], tl.float32)
+    # scales one K block ahead, as in fp8_gemm_kernel (Triton pipelines only the loads feeding the dots)
+    sa = tl.load(as_ptrs, mask=live, other=0.0)
+    s1 = tl.load(s1_ptr + s_off)
+    s3 = tl.load(s3_ptr + s_off)
+    for kb in range(0, KB):
+        k_ok = kb * BK + rk < K
+        a = tl.load(a_ptrs, mask=live[:, None] & k_ok[None, :], other=0.0)
+        w1 = tl.load(w1_ptrs, mask=n_ok[:, None] & k_ok[None, :], other=0.0)
+        w3 = tl.load(w3_ptrs, mask=n_ok[:, None] & k_ok[None, :], other=0.0)
+        nxt = tl.minimum(kb + 1, KB - 1)
+        sa_next = tl.load(as_ptrs + nxt, mask=live, other=0.0)
+        s1_next = tl.load(s1_ptr + s_off + nxt)
+        s3_next = tl.load(s3_ptr + s_off + nxt)
+        gate += tl.dot(a, tl.trans(w1)) * (sa * s1)[:, None]
+        up += tl.dot(a, tl.trans(w3)) * (sa * s3)[:, None]
+        sa, s1, s3 = sa_next, s1_next, s3_next
+        a_ptrs += BK
+        w1_ptrs += BK
+        w3_ptrs += BK
+    if ROUND == 1:
+        gate = _round_bf16(gate)
+        up = _round_bf16(up)
+    if ROUND == 2:
+        gate = gate.to(tl.float16).to(tl.float32)
+        up = up.to(tl.float16).to(tl.float32)
+    if LIMIT > 0:
+        gate = tl.minimum(gate, LIMIT)
+        up = tl.minimum(tl.maximum(up, -LIMIT), LIMIT)
+    h = gate * tl.sigmoid(gate) * up  # padding rows: 0 (their gate and up are)
+    tl.store(h_ptr + dst[:, None] * N + rn[None, :], h, mask=(dst < M)[:, None] & n_ok[None, :])
+
+
+def constexprs(m: int, n: int, k: int, limit: float, gate_dtype: str, cfg: GemmConfig) -> dict:
+    """Compile-time constants of one shape; m the padded rows."""
+    if SCALE_BLOCK % cfg.block_n:
+        raise ValueError(f"BLOCK_N {cfg.block_n} must divide the 128-wide weight scale block")
+    if m % cfg.block_m:
+        raise ValueError(f"contiguous rows {m} must be a multiple of BLOCK_M {cfg.block_m}")
+    if gate_dtype not in ROUNDINGS:
+        raise ValueError(f"gate and up can pass through {sorted(ROUNDINGS)}, not {gate_dtype}")
+    return dict(
+        M=m,
+        N=n,
+        K=k,
+        LIMIT=float(limit),
+        ROUND=ROUNDINGS[gate_dtype],
+        BLOCK_M=cfg.block_m,
+        BLOCK_N=cfg.block_n,
+    )
+
+
+def grid(m: int, n: int, cfg: GemmConfig) -> tuple[int]:
+    return (triton.cdiv(m, cfg.block_m) * triton.cdiv(n, cfg.block_n),)
+
+
+def launch_torch(a, a_scale, rows, w1, s1, w3, s3, groups, limit: float, gate_dtype: str, cfg: GemmConfig):
+    """Runs the kernel on torch tensors (GPU, or CPU under TRITON_INTERPRET=1 with float32 stand-ins for
+    fp8). Rows of skipped tiles come back as nan."""
+    import torch
+
+    m, (_, n, k) = groups.shape[0], w1.shape
+    cx = constexprs(m, n, k, limit, gate_dtype, cfg)
+    h = torch.full((m, n), float("nan"), dtype=torch.float32, device=a.device)
+    f32 = lambda x: x.float().contiguous()  # noqa: E731
+    fp8_swiglu_kernel[grid(m, n, cfg)](
+        a.contiguous(),
+        f32(a_scale),
+        rows.to(torch.int32),
+        w1.contiguous(),
+        f32(s1),
+        w3.contiguous(),
+        f32(s3),
+        groups.to(torch.int32),
+        h,
+        **cx,
+        num_warps=cfg.num_warps,
+        num_stages=cfg.num_stages,
+    )
+    return h
