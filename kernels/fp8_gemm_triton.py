@@ -67,6 +67,15 @@ def fewest_splits(tiles: int, k_blocks: int) -> int:
 
 
 @triton.jit
+def program_tile(N: tl.constexpr, BLOCK_N: tl.constexpr):
+    """(row tile, column tile) of this program, column tiles fastest: the programs of one row tile run
+    together and share its rows of a through L2."""
+    n_tiles: tl.constexpr = (N + BLOCK_N - 1) // BLOCK_N
+    pid = tl.program_id(0)
+    return pid // n_tiles, pid % n_tiles
+
+
+@triton.jit
 def fp8_gemm_kernel(
     a_ptr,  # fp8[rows, K]
     as_ptr,  # f32[rows, KB]
@@ -87,10 +96,7 @@ def fp8_gemm_kernel(
     BK: tl.constexpr = 128
     KB: tl.constexpr = (K + BK - 1) // BK
     NB: tl.constexpr = (N + BK - 1) // BK
-    pid = tl.program_id(0)
-    n_tiles: tl.constexpr = (N + BLOCK_N - 1) // BLOCK_N
-    pid_m = pid // n_tiles
-    pid_n = pid % n_tiles
+    pid_m, pid_n = program_tile(N, BLOCK_N)
     if DENSE:
         g = tl.full([], 0, tl.int32)
         src = pid_m.to(tl.int64) * BLOCK_M + tl.arange(0, BLOCK_M)

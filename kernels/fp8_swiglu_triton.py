@@ -18,7 +18,7 @@ from __future__ import annotations
 import triton
 import triton.language as tl
 
-from djax.kernels.fp8_gemm_triton import SCALE_BLOCK
+from djax.kernels.fp8_gemm_triton import SCALE_BLOCK, program_tile
 from djax.kernels.grouped_gemm_triton import GemmConfig, _tile
 
 ROUNDINGS = {"float32": 0, "bfloat16": 1, "float16": 2}  # ROUND: the dtype gate and up pass through
@@ -55,10 +55,7 @@ def fp8_swiglu_kernel(
     BK: tl.constexpr = 128
     KB: tl.constexpr = (K + BK - 1) // BK
     NB: tl.constexpr = (N + BK - 1) // BK
-    pid = tl.program_id(0)
-    n_tiles: tl.constexpr = (N + BLOCK_N - 1) // BLOCK_N
-    pid_m = pid // n_tiles
-    pid_n = pid % n_tiles
+    pid_m, pid_n = program_tile(N, BLOCK_N)
     g, src, dst, live = _tile(grp_ptr, rows_ptr, pid_m, M, 0, BLOCK_M, False, True)
     if g < 0:
         return
