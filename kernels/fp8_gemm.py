@@ -24,6 +24,7 @@ from djax.kernels.grouped_gemm_triton import GemmConfig
 
 IMPLS = ("ref", "triton", "tilelang", "interpret")
 GROUPED_IMPLS = ("ref", "triton", "interpret")
+GATE_DTYPES = ("float32", "bfloat16", "float16")  # what gate and up may be rounded to before the SwiGLU
 
 
 def fp8_gemm(
@@ -136,6 +137,10 @@ def grouped_swiglu_contiguous(
     shapes.fp8_swiglu_contiguous(a, a_scale, rows, w1, s1, w3, s3, m_indices)
     impl = resolve(impl, GROUPED_IMPLS)
     gate_dtype = jnp.dtype(gate_dtype)
+    if gate_dtype.name not in GATE_DTYPES:
+        raise ValueError(
+            f"grouped_swiglu_contiguous: gate_dtype must be one of {GATE_DTYPES}, got {gate_dtype}"
+        )
     if impl == "ref":
         return grouped_swiglu_contiguous_ref(a, a_scale, rows, w1, s1, w3, s3, m_indices, limit, gate_dtype)
     from djax.kernels import fp8_swiglu_triton as sk

@@ -133,6 +133,19 @@ def test_fused_swiglu_interpreted_matches_ref(gate_dtype, limit):
     assert_close(got[written], want[written], 1e-5)
 
 
+def test_fused_swiglu_refuses_bad_operands():
+    """A gate dtype it cannot round to and a mismatched up weight fail at trace time, naming the problem."""
+    x, _, idx, w1, _, w3 = _inputs(6, 4, 256, 128, 6, 2)
+    lay = layout(idx, 6, 16, "ref")
+    xq, xs = quantize_act(x)
+    args = (xq, xs, lay.rows, w1.values, w1.scale, w3.values, w3.scale, lay.m_indices, 1.5)
+    with pytest.raises(ValueError, match="gate_dtype must be one of"):
+        fp8_gemm.grouped_swiglu_contiguous(*args, jnp.int8, impl="ref")
+    bad = (*args[:5], w3.values[:, :64], *args[6:])
+    with pytest.raises(ValueError, match="w3 has shape"):
+        fp8_gemm.grouped_swiglu_contiguous(*bad, jnp.bfloat16, impl="ref")
+
+
 def test_swiglu_config_narrows_decode_tiles():
     """V4-Flash gate/up (f 2048, 256 experts, top-6): half the GEMMs' 128 columns (two accumulators), and at
     one token 32 (6 experts x 64 tiles: 384 programs); prefill tiles keep 64-row tiles and take 64 columns;
