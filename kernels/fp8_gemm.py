@@ -11,6 +11,7 @@ import jax.numpy as jnp
 import numpy as np
 
 from djax.kernels import dispatch, shapes
+from djax.kernels import fp8_swiglu_triton as sk
 from djax.kernels.dispatch import H200_SMS, resolve
 from djax.kernels.fp8_gemm_ref import (
     fp8_gemm_ref,
@@ -24,7 +25,6 @@ from djax.kernels.grouped_gemm_triton import GemmConfig
 
 IMPLS = ("ref", "triton", "tilelang", "interpret")
 GROUPED_IMPLS = ("ref", "triton", "interpret")
-GATE_DTYPES = ("float32", "bfloat16", "float16")  # what gate and up may be rounded to before the SwiGLU
 
 
 def fp8_gemm(
@@ -137,14 +137,9 @@ def grouped_swiglu_contiguous(
     shapes.fp8_swiglu_contiguous(a, a_scale, rows, w1, s1, w3, s3, m_indices)
     impl = resolve(impl, GROUPED_IMPLS)
     gate_dtype = jnp.dtype(gate_dtype)
-    if gate_dtype.name not in GATE_DTYPES:
-        raise ValueError(
-            f"grouped_swiglu_contiguous: gate_dtype must be one of {GATE_DTYPES}, got {gate_dtype}"
-        )
+    sk.rounding(gate_dtype.name)  # one the kernel can round to, whichever impl runs
     if impl == "ref":
         return grouped_swiglu_contiguous_ref(a, a_scale, rows, w1, s1, w3, s3, m_indices, limit, gate_dtype)
-    from djax.kernels import fp8_swiglu_triton as sk
-
     cfg = cfg or FP8_CFG
     f32, i32 = jnp.float32, jnp.int32
     m, (_, n, k) = rows.shape[0], w1.shape
@@ -216,25 +211,26 @@ def _run(impl, mode, a, a_scale, b, b_scale, groups, out_dtype, cfg):
     return c if splits == 1 else c.sum(0).astype(out_dtype)
 
 
-def _host(mode, cfg, out_dtype, a, a_scale, b, b_scale, groups):
+def _torch(x, dtype=np.float32):
+    """A host callback's operand as a CPU torch tensor (fp8 as float32 stand-ins for the interpreter)."""
     import torch
 
+    return torch.from_numpy(np.array(x, dtype))
+
+
+def _host(mode, cfg, out_dtype, a, a_scale, b, b_scale, groups):
     from djax.kernels.fp8_gemm_triton import launch_torch
 
-    t = lambda x: torch.from_numpy(np.array(x, np.float32))  # noqa: E731
-    g = torch.from_numpy(np.array(groups))
     if mode == "dense":
         b, b_scale = b[0], b_scale[0]
-    out = launch_torch(t(a), t(a_scale), t(b), t(b_scale), None if mode == "dense" else g, mode, cfg)
+    g = None if mode == "dense" else _torch(groups, np.int32)
+    out = launch_torch(_torch(a), _torch(a_scale), _torch(b), _torch(b_scale), g, mode, cfg)
     return out.numpy().astype(out_dtype)
 
 
 def _host_swiglu(limit, gate_dtype, cfg, a, a_scale, rows, w1, s1, w3, s3, groups):
-    import torch
-
-    from djax.kernels.fp8_swiglu_triton import launch_torch
-
-    t = lambda x: torch.from_numpy(np.array(x, np.float32))  # noqa: E731
-    i = lambda x: torch.from_numpy(np.array(x, np.int32))  # noqa: E731
-    h = launch_torch(t(a), t(a_scale), i(rows), t(w1), t(s1), t(w3), t(s3), i(groups), limit, gate_dtype, cfg)
+    t, i = _torch, lambda x: _torch(x, np.int32)  # noqa: E731
+    h = sk.launch_torch(
+        t(a), t(a_scale), i(rows), t(w1), t(s1), t(w3), t(s3), i(groups), limit, gate_dtype, cfg
+    )
     return h.numpy()

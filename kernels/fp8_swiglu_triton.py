@@ -24,6 +24,13 @@ from djax.kernels.grouped_gemm_triton import GemmConfig, _tile
 ROUNDINGS = {"float32": 0, "bfloat16": 1, "float16": 2}  # ROUND: the dtype gate and up pass through
 
 
+def rounding(gate_dtype: str) -> int:
+    """The kernel's ROUND for a gate dtype's name; ValueError for one it cannot round to."""
+    if gate_dtype not in ROUNDINGS:
+        raise ValueError(f"gate_dtype must be one of {tuple(ROUNDINGS)}, got {gate_dtype}")
+    return ROUNDINGS[gate_dtype]
+
+
 @triton.jit
 def _round_bf16(x):
     """float32 rounded to the nearest bfloat16 (ties to even), kept in float32. By its bits, so that Triton's
@@ -109,14 +116,12 @@ def constexprs(m: int, n: int, k: int, limit: float, gate_dtype: str, cfg: GemmC
         raise ValueError(f"BLOCK_N {cfg.block_n} must divide the 128-wide weight scale block")
     if m % cfg.block_m:
         raise ValueError(f"contiguous rows {m} must be a multiple of BLOCK_M {cfg.block_m}")
-    if gate_dtype not in ROUNDINGS:
-        raise ValueError(f"gate and up can pass through {sorted(ROUNDINGS)}, not {gate_dtype}")
     return dict(
         M=m,
         N=n,
         K=k,
         LIMIT=float(limit),
-        ROUND=ROUNDINGS[gate_dtype],
+        ROUND=rounding(gate_dtype),
         BLOCK_M=cfg.block_m,
         BLOCK_N=cfg.block_n,
     )
