@@ -75,7 +75,7 @@ def test_moe_experts_triton_matches_dense(n, cfg):
 @pytest.mark.parametrize(
     "n,cfg",
     [
-        (1, None),  # batch-1 decode, the default tiling (16-row tiles; gate and up split 2 ways along K)
+        (1, None),  # batch-1 decode, default tiles (gate/up fused, 32 columns; down split along K)
         (1, Fp8Config(16, 128, 128, 4, 4, split_k=4)),  # down: 2 K blocks over 4 splits, two of them empty
         (37, FP8_DECODE_CFG),
         (37, GemmConfig(16, 64, 128, 4, 4)),
