@@ -88,7 +88,13 @@ class WsTiling:
 
     `k_groups` > 1 (decode, block_m 64): that many consumer warpgroups take turns over the k blocks and sum
     their accumulators at the end, and the `split_k` splits of a tile sum theirs inside one thread-block
-    cluster, so the result is bf16 from the one kernel (`fp8_decode_tilelang`)."""
+    cluster, so the result is bf16 from the one kernel (`fp8_decode_tilelang`).
+
+    `scales_ahead` loads the next k block's scales while this one's wgmmas run (from global memory, one k
+    block ahead) instead of in the block that uses them, whose promotion would otherwise wait on them.
+    `stagger` ("start" or "turns", two consumer warpgroups by rows) keeps the two warpgroups' wgmma chains one
+    chain apart (`staggered`), so that one warpgroup's promotion runs while the other's wgmmas keep the tensor
+    cores busy, rather than both promoting at once."""
 
     block_m: int
     block_n: int
@@ -98,6 +104,9 @@ class WsTiling:
     warpgroups: int = 0
     smem_scales: bool = False
     k_groups: int = 1
+    scales_ahead: bool = False
+    stagger: str = ""
+    a_regs: bool = False
 
     @property
     def consumer_wgs(self) -> int:
@@ -131,6 +140,8 @@ class WsTiling:
         tail = (f"_p{self.panel}" if self.panel else "") + (f"_k{self.split_k}" if self.split_k > 1 else "")
         tail += (f"_w{self.warpgroups}" if self.warpgroups else "") + ("_ss" if self.smem_scales else "")
         tail += f"_g{self.k_groups}" if self.k_groups > 1 else ""
+        tail += ("_sa" if self.scales_ahead else "") + {"": "", "start": "_st", "turns": "_tt"}[self.stagger]
+        tail += "_ar" if self.a_regs else ""
         return f"ws{self.block_m}x{self.block_n}s{self.stages}{tail}"
 
 
@@ -140,8 +151,11 @@ class WsTiling:
 # each). Neighbours within about 1% are within a run's noise: at prefill the same tiles with shared-memory
 # scales took 337.4 us (7168) and 125.1 us (4096).
 MEASURED_WS_BEST = {
-    ("prefill", 7168, 7168): WsTiling(128, 256, 3, panel=8),  # 340.1 us at m=4096 (1238 TFLOP/s, 62.5%)
-    ("prefill", 4096, 4096): WsTiling(128, 256, 3, panel=8),  # 117.5 us at m=4096 (1169 TFLOP/s, 59.1%)
+    # scales a k block ahead, side by side with the same tiles without (tilelang_fp8_gemm_h200_ahead_ab.json,
+    # m=4096): 331.2-332.0 us against 335.9-337.5 (64.2% of FP8 peak); at 4096^3 117.2-117.7 against
+    # 117.5-119.0 (59.2%)
+    ("prefill", 7168, 7168): WsTiling(128, 256, 3, panel=8, scales_ahead=True),
+    ("prefill", 4096, 4096): WsTiling(128, 256, 3, panel=8, scales_ahead=True),
     ("decode", 16384, 7168): WsTiling(64, 128, 8, smem_scales=True),  # 32.2 us
     # two consumer warpgroups over k, the 2 splits summed in their cluster: 11.99 us against 12.82 for the
     # former best (64x64, split 2, scales in shared memory, XLA's sum after) in the same run
@@ -153,8 +167,8 @@ MEASURED_WS_BEST = {
 
 def default_ws_tiling(m: int, n: int, k: int) -> WsTiling:
     """The measured best for a known (regime, n, k) (`MEASURED_WS_BEST`), else: prefill 128x256 (two
-    consumer warpgroups, 128-column slices) in 3 stages rasterised in panels of 8, the best at both
-    measured prefill shapes, where 256 divides n; else 128x128, rasterised with 3 stages when the weights
+    consumer warpgroups, 128-column slices) in 3 stages rasterised in panels of 8 with the scales loaded a
+    k block ahead, the best at the three measured prefill shapes, where 256 divides n; else 128x128, rasterised with 3 stages when the weights
     (n k bytes) overflow about half the 50 MB L2, else 4 stages unrasterised.
     Decode (m <= 64): one consumer warpgroup and enough CTAs (narrower n tiles, then split-k) to put one on
     about every SM, since every weight byte must stream through some SM."""
@@ -165,7 +179,7 @@ def default_ws_tiling(m: int, n: int, k: int) -> WsTiling:
         return best
     if m > 64:
         if n % 256 == 0:
-            return WsTiling(128, 256, max(1, min(3, kb)), panel=8)
+            return WsTiling(128, 256, max(1, min(3, kb)), panel=8, scales_ahead=True)
         if n * k > 32 << 20:
             return WsTiling(128, 128, max(1, min(3, kb)), panel=8)
         return WsTiling(128, 128, max(1, min(4, kb)))
@@ -185,6 +199,13 @@ WS_VARIANTS = {  # tilings worth timing (measured best first, then the newer one
         WsTiling(128, 256, 3, 8, smem_scales=True),
         WsTiling(128, 256, 4, 8, smem_scales=True),
         WsTiling(128, 128, 4, 8, smem_scales=True),
+        # the next k block's scales loaded a block ahead; A read into registers once a k block (wgmma RS)
+        WsTiling(128, 256, 3, 8, scales_ahead=True),
+        WsTiling(128, 256, 3, 8, a_regs=True),
+        WsTiling(128, 256, 3, 8, scales_ahead=True, a_regs=True),
+        WsTiling(128, 256, 4, 8, a_regs=True),
+        WsTiling(128, 256, 3, 4),
+        WsTiling(128, 256, 3, 16),
     ),
     "decode": (
         WsTiling(64, 32, 8),
@@ -273,7 +294,15 @@ def check_ws_tiling(m: int, n: int, k: int, tiling: WsTiling) -> None:
     check_shapes(m, n, k)
     if tiling.k_groups > 1:
         t = tiling
-        if m > 64 or t.block_m != 64 or t.block_n not in (32, 64, 128) or t.warpgroups or t.smem_scales:
+        if (
+            m > 64
+            or t.block_m != 64
+            or t.block_n not in (32, 64, 128)
+            or t.warpgroups
+            or t.smem_scales
+            or t.scales_ahead
+            or t.stagger
+        ):
             raise ValueError(
                 f"k_groups needs m <= 64, block_m 64, block_n 32, 64 or 128 and no other options: {t}"
             )
@@ -308,6 +337,14 @@ def check_ws_tiling(m: int, n: int, k: int, tiling: WsTiling) -> None:
         raise ValueError(f"{wgs} consumer warpgroups do not tile {bm}x{bn}: {tiling}")
     if n % bn:
         raise ValueError(f"block_n={bn} does not divide n={n}")
+    if tiling.scales_ahead and tiling.smem_scales:
+        raise ValueError(
+            f"scales_ahead reads the scales from global memory, smem_scales from shared: {tiling}"
+        )
+    if tiling.stagger not in STAGGERS:
+        raise ValueError(f"stagger must be one of {STAGGERS}: {tiling}")
+    if tiling.stagger and not (tiling.by_rows and wgs == 2):
+        raise ValueError(f"stagger needs two consumer warpgroups splitting the tile by rows: {tiling}")
     if (k // BLOCK) % tiling.split_k:
         raise ValueError(f"split_k={tiling.split_k} does not divide the {k // BLOCK} k blocks")
     if tiling.smem_scales and (k // BLOCK) % 4:
@@ -319,11 +356,61 @@ def check_ws_tiling(m: int, n: int, k: int, tiling: WsTiling) -> None:
         raise ValueError(f"smem_scales needs a multiple of 4 k blocks per split: {tiling} at k={k}")
 
 
+STAGGER_BARRIERS = (14, 15)  # named barriers TileLang's lowering does not use (it takes 0 and from 1 up)
+STAGGERS = ("", "start", "turns")
+
+
+def staggered(source: str, threads: int, mode: str, chains: int) -> str:
+    """TileLang's lowered warp-specialised program with the two consumer warpgroups' wgmma chains kept one
+    chain apart. Both wait on the same full stage, so otherwise they issue their chains together, the tensor
+    cores run both interleaved, and both then promote while the tensor cores idle; one chain apart, each
+    warpgroup's promotion runs under the other's chain.
+
+    mode "start": the second warpgroup's first chain waits until the first warpgroup's has completed (a
+    named barrier the first arrives at), and the two run free after that. "turns": they issue strictly in
+    turn, every chain (`chains` per warpgroup): the first issues, lets the second go (one barrier), and issues
+    its next chain once the second has issued (the other barrier), as CUTLASS's ordered barriers do.
+    Threads: the producer warpgroup first (0-127), then the consumers (128-255, 256-383)."""
+    producer = "if (((int)threadIdx.x) < 128) {"
+    consumer = "tl::warpgroup_reg_alloc<"
+    if threads != 384 or source.count(producer) != 1 or source.count(consumer) != 1:
+        raise NotImplementedError("stagger expects one producer and two consumer warpgroups")
+    at = source.index(";", source.index(consumer)) + 1
+    first = "((int)threadIdx.x) < 256"
+    mine, theirs = STAGGER_BARRIERS
+    if mode == "start":
+        before = f"if (djax_chain == 0 && !({first})) tl::__sync_thread_partial({theirs}, 256);"
+        after = f"if (djax_chain == 0 && {first}) tl::__named_barrier_arrive({theirs}, 256);"
+        mark = "tl::warpgroup_wait<0>();"  # released once the first chain has completed
+    elif mode == "turns":
+        before = (
+            f"if ({first}) {{ if (djax_chain > 0) tl::__sync_thread_partial({mine}, 256); }}"
+            f" else tl::__sync_thread_partial({theirs}, 256);"
+        )
+        after = (
+            f"if ({first}) tl::__named_barrier_arrive({theirs}, 256);"
+            f" else if (djax_chain < {chains - 1}) tl::__named_barrier_arrive({mine}, 256);"
+        )
+        mark = "tl::warpgroup_commit_batch();"  # released once the chain is issued
+    else:
+        raise ValueError(f"stagger must be one of {STAGGERS}, got {mode!r}")
+    out, pos = [source[:at], "\n    int djax_chain = 0;"], at
+    while (issue := source.find("tl::warpgroup_arrive();", pos)) >= 0:
+        done = source.index(mark, issue) + len(mark)
+        out += [source[pos:issue], before + "\n        ", source[issue:done]]
+        out += ["\n        " + after + " ++djax_chain;"]
+        pos = done
+    if len(out) == 2:
+        raise NotImplementedError("no wgmma chain found in the consumer")
+    return "".join(out) + source[pos:]
+
+
 def ws_program(m: int, n: int, k: int, tiling: WsTiling):
     """The CUDA program for TileLang's TMA + warp-specialised lowering (same operands as `cuda_program`). With
     split_k > 1 the result is f32 partials P[split_k, m, n] (each split sums its share of the k blocks).
     See `WsTiling` for the warpgroup layouts, 128-column slices and shared-memory scales."""
     import tilelang.language as T
+    from tilelang.layout import make_swizzled_layout
 
     check_ws_tiling(m, n, k, tiling)
     if tiling.k_groups > 1:
@@ -345,10 +432,33 @@ def ws_program(m: int, n: int, k: int, tiling: WsTiling):
 
     A_t, AS_t, B_t, BS_t, C_t = operand_types(T, m, n, k, out_shape, out_dtype)
 
+    @T.macro
+    def load_scales(AS, BS, s0, s1, bx, by, i):
+        """Activation x weight scale of k block i for the tile's rows: s0 for its (first) weight-scale block,
+        s1 for its second when block_n is 256."""
+        for r in T.Parallel(bm):
+            s0[r] = AS[by * bm + r, i] * BS[bx * bn // BLOCK, i]
+        if nsb == 2:
+            for r in T.Parallel(bm):
+                s1[r] = AS[by * bm + r, i] * BS[bx * nsb + 1, i]
+
+    @T.macro
+    def load_ahead(AS, BS, sa, sb, sb1, bx, by, i):
+        """k block i's scales, not multiplied: sa the rows' activation scales, sb (sb1) the weight scale of
+        the tile's first (second) weight-scale block, the same in every entry."""
+        for r in T.Parallel(bm):
+            sa[r] = AS[by * bm + r, i]
+        for r in T.Parallel(bm):
+            sb[r] = BS[bx * bn // BLOCK, i]
+        if nsb == 2:
+            for r in T.Parallel(bm):
+                sb1[r] = BS[bx * nsb + 1, i]
+
     @T.prim_func
     def fp8_gemm(A: A_t, AS: AS_t, B: B_t, BS: BS_t, C: C_t):
         with T.Kernel(n // bn, T.ceildiv(m, bm), split, threads=tiling.consumer_threads) as (bx, by, bz):
             a_s = T.alloc_shared((bm, BLOCK), fp8)
+            a_r = T.alloc_fragment((bm, BLOCK), fp8)  # a_regs: the A tile in registers, read once a k block
             b_s = T.alloc_shared((sw, BLOCK), fp8)
             b1_s = T.alloc_shared((sw, BLOCK), fp8)  # second 128-column slice (unused unless sliced)
             part = T.alloc_fragment((bm, sw), f32)
@@ -356,6 +466,11 @@ def ws_program(m: int, n: int, k: int, tiling: WsTiling):
             acc1 = T.alloc_fragment((bm, sw), f32)
             scale = T.alloc_fragment((bm,), f32)
             scale1 = T.alloc_fragment((bm,), f32)
+            # scales_ahead: the next k block's activation and weight scales as loaded (multiplied only when
+            # used: a product at load time would wait for the loads before this block's wgmmas are issued)
+            ahead_a = T.alloc_fragment((bm,), f32)
+            ahead_b = T.alloc_fragment((bm,), f32)
+            ahead_b1 = T.alloc_fragment((bm,), f32)
             # columns past this split's kps hold the next split's scales (or TMA's zero fill), never read
             as_s = T.alloc_shared((bm, kss), f32)
             bs_s = T.alloc_shared((nsb, kss), f32)
@@ -363,9 +478,15 @@ def ws_program(m: int, n: int, k: int, tiling: WsTiling):
             c1_s = T.alloc_shared((bm, sw), out_dtype)
             if tiling.panel:
                 T.use_swizzle(tiling.panel)
+            if (
+                tiling.a_regs
+            ):  # TMA's 128-byte swizzle: the 4-byte loads into registers then miss bank conflicts
+                T.annotate_layout({a_s: make_swizzled_layout(a_s)})
             if ss:  # the whole k range's scales, once (TMA; rows past m fill with 0)
                 T.copy(AS[by * bm, bz * kps], as_s)
                 T.copy(BS[bx * bn // BLOCK, bz * kps], bs_s)
+            if tiling.scales_ahead:
+                load_ahead(AS, BS, ahead_a, ahead_b, ahead_b1, bx, by, bz * kps)
             T.clear(acc)
             if sliced:
                 T.clear(acc1)
@@ -383,13 +504,22 @@ def ws_program(m: int, n: int, k: int, tiling: WsTiling):
                     if nsb == 2:
                         for r in T.Parallel(bm):
                             scale1[r] = as_s[r, j] * bs_s[1, j]
-                else:
+                elif tiling.scales_ahead:
+                    # this block's came in during the last one; the next block's (the last block's again
+                    # past the end: any finite value) load under this block's wgmmas
                     for r in T.Parallel(bm):
-                        scale[r] = AS[by * bm + r, i] * BS[bx * bn // BLOCK, i]
+                        scale[r] = ahead_a[r] * ahead_b[r]
                     if nsb == 2:
                         for r in T.Parallel(bm):
-                            scale1[r] = AS[by * bm + r, i] * BS[bx * nsb + 1, i]
-                T.gemm(a_s, b_s, part, transpose_B=True, clear_accum=True, policy=policy)
+                            scale1[r] = ahead_a[r] * ahead_b1[r]
+                    load_ahead(AS, BS, ahead_a, ahead_b, ahead_b1, bx, by, T.min(i + 1, bz * kps + kps - 1))
+                else:
+                    load_scales(AS, BS, scale, scale1, bx, by, i)
+                a_op = a_s
+                if tiling.a_regs:
+                    T.copy(a_s, a_r)
+                    a_op = a_r
+                T.gemm(a_op, b_s, part, transpose_B=True, clear_accum=True, policy=policy)
                 if nsb == 2 and not sliced:  # warpgroups side by side: each one's columns in one scale block
                     for r, c in T.Parallel(bm, sw):
                         acc[r, c] += part[r, c] * T.if_then_else(c < BLOCK, scale[r], scale1[r])
@@ -397,7 +527,7 @@ def ws_program(m: int, n: int, k: int, tiling: WsTiling):
                     for r, c in T.Parallel(bm, sw):
                         acc[r, c] += part[r, c] * scale[r]
                 if sliced:
-                    T.gemm(a_s, b1_s, part, transpose_B=True, clear_accum=True, policy=policy)
+                    T.gemm(a_op, b1_s, part, transpose_B=True, clear_accum=True, policy=policy)
                     for r, c in T.Parallel(bm, sw):
                         acc1[r, c] += part[r, c] * scale1[r]
             T.copy(acc, c_s)
@@ -487,6 +617,9 @@ def lower_ws(m: int, n: int, k: int, tiling: WsTiling | None = None) -> tuple[st
     fn, launch = one_kernel(art)
     (host_fn,) = art.host_mod.functions.values()
     source = art.kernel_source
+    if tiling.stagger:
+        chains = (k // BLOCK // tiling.split_k) * tiling.slices
+        source = staggered(source, launch["threads"], tiling.stagger, chains)
     if tiling.sums_in_cluster:
         from djax.kernels.fp8_decode_tilelang import with_cluster_sum
 
