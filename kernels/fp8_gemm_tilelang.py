@@ -91,10 +91,7 @@ class WsTiling:
     cluster, so the result is bf16 from the one kernel (`fp8_decode_tilelang`).
 
     `scales_ahead` loads the next k block's scales while this one's wgmmas run (from global memory, one k
-    block ahead) instead of in the block that uses them, whose promotion would otherwise wait on them.
-    `stagger` ("start" or "turns", two consumer warpgroups by rows) keeps the two warpgroups' wgmma chains one
-    chain apart (`staggered`), so that one warpgroup's promotion runs while the other's wgmmas keep the tensor
-    cores busy, rather than both promoting at once."""
+    block ahead) instead of in the block that uses them, whose promotion would otherwise wait on them."""
 
     block_m: int
     block_n: int
@@ -105,8 +102,6 @@ class WsTiling:
     smem_scales: bool = False
     k_groups: int = 1
     scales_ahead: bool = False
-    stagger: str = ""
-    a_regs: bool = False
 
     @property
     def consumer_wgs(self) -> int:
@@ -140,8 +135,7 @@ class WsTiling:
         tail = (f"_p{self.panel}" if self.panel else "") + (f"_k{self.split_k}" if self.split_k > 1 else "")
         tail += (f"_w{self.warpgroups}" if self.warpgroups else "") + ("_ss" if self.smem_scales else "")
         tail += f"_g{self.k_groups}" if self.k_groups > 1 else ""
-        tail += ("_sa" if self.scales_ahead else "") + {"": "", "start": "_st", "turns": "_tt"}[self.stagger]
-        tail += "_ar" if self.a_regs else ""
+        tail += "_sa" if self.scales_ahead else ""
         return f"ws{self.block_m}x{self.block_n}s{self.stages}{tail}"
 
 
@@ -168,8 +162,9 @@ MEASURED_WS_BEST = {
 def default_ws_tiling(m: int, n: int, k: int) -> WsTiling:
     """The measured best for a known (regime, n, k) (`MEASURED_WS_BEST`), else: prefill 128x256 (two
     consumer warpgroups, 128-column slices) in 3 stages rasterised in panels of 8 with the scales loaded a
-    k block ahead, the best at the three measured prefill shapes, where 256 divides n; else 128x128, rasterised with 3 stages when the weights
-    (n k bytes) overflow about half the 50 MB L2, else 4 stages unrasterised.
+    k block ahead, the best at the three measured prefill shapes, where 256 divides n; else 128x128,
+    rasterised with 3 stages when the weights (n k bytes) overflow about half the 50 MB L2, else 4 stages
+    unrasterised.
     Decode (m <= 64): one consumer warpgroup and enough CTAs (narrower n tiles, then split-k) to put one on
     about every SM, since every weight byte must stream through some SM."""
     kb = k // BLOCK
@@ -199,13 +194,9 @@ WS_VARIANTS = {  # tilings worth timing (measured best first, then the newer one
         WsTiling(128, 256, 3, 8, smem_scales=True),
         WsTiling(128, 256, 4, 8, smem_scales=True),
         WsTiling(128, 128, 4, 8, smem_scales=True),
-        # the next k block's scales loaded a block ahead; A read into registers once a k block (wgmma RS)
+        # the next k block's scales loaded a block ahead (the prefill default since; measured against the
+        # same tiles without, tilelang_fp8_gemm_h200_ahead_ab.json)
         WsTiling(128, 256, 3, 8, scales_ahead=True),
-        WsTiling(128, 256, 3, 8, a_regs=True),
-        WsTiling(128, 256, 3, 8, scales_ahead=True, a_regs=True),
-        WsTiling(128, 256, 4, 8, a_regs=True),
-        WsTiling(128, 256, 3, 4),
-        WsTiling(128, 256, 3, 16),
     ),
     "decode": (
         WsTiling(64, 32, 8),
@@ -301,7 +292,6 @@ def check_ws_tiling(m: int, n: int, k: int, tiling: WsTiling) -> None:
             or t.warpgroups
             or t.smem_scales
             or t.scales_ahead
-            or t.stagger
         ):
             raise ValueError(
                 f"k_groups needs m <= 64, block_m 64, block_n 32, 64 or 128 and no other options: {t}"
@@ -341,10 +331,6 @@ def check_ws_tiling(m: int, n: int, k: int, tiling: WsTiling) -> None:
         raise ValueError(
             f"scales_ahead reads the scales from global memory, smem_scales from shared: {tiling}"
         )
-    if tiling.stagger not in STAGGERS:
-        raise ValueError(f"stagger must be one of {STAGGERS}: {tiling}")
-    if tiling.stagger and not (tiling.by_rows and wgs == 2):
-        raise ValueError(f"stagger needs two consumer warpgroups splitting the tile by rows: {tiling}")
     if (k // BLOCK) % tiling.split_k:
         raise ValueError(f"split_k={tiling.split_k} does not divide the {k // BLOCK} k blocks")
     if tiling.smem_scales and (k // BLOCK) % 4:
@@ -356,61 +342,11 @@ def check_ws_tiling(m: int, n: int, k: int, tiling: WsTiling) -> None:
         raise ValueError(f"smem_scales needs a multiple of 4 k blocks per split: {tiling} at k={k}")
 
 
-STAGGER_BARRIERS = (14, 15)  # named barriers TileLang's lowering does not use (it takes 0 and from 1 up)
-STAGGERS = ("", "start", "turns")
-
-
-def staggered(source: str, threads: int, mode: str, chains: int) -> str:
-    """TileLang's lowered warp-specialised program with the two consumer warpgroups' wgmma chains kept one
-    chain apart. Both wait on the same full stage, so otherwise they issue their chains together, the tensor
-    cores run both interleaved, and both then promote while the tensor cores idle; one chain apart, each
-    warpgroup's promotion runs under the other's chain.
-
-    mode "start": the second warpgroup's first chain waits until the first warpgroup's has completed (a
-    named barrier the first arrives at), and the two run free after that. "turns": they issue strictly in
-    turn, every chain (`chains` per warpgroup): the first issues, lets the second go (one barrier), and issues
-    its next chain once the second has issued (the other barrier), as CUTLASS's ordered barriers do.
-    Threads: the producer warpgroup first (0-127), then the consumers (128-255, 256-383)."""
-    producer = "if (((int)threadIdx.x) < 128) {"
-    consumer = "tl::warpgroup_reg_alloc<"
-    if threads != 384 or source.count(producer) != 1 or source.count(consumer) != 1:
-        raise NotImplementedError("stagger expects one producer and two consumer warpgroups")
-    at = source.index(";", source.index(consumer)) + 1
-    first = "((int)threadIdx.x) < 256"
-    mine, theirs = STAGGER_BARRIERS
-    if mode == "start":
-        before = f"if (djax_chain == 0 && !({first})) tl::__sync_thread_partial({theirs}, 256);"
-        after = f"if (djax_chain == 0 && {first}) tl::__named_barrier_arrive({theirs}, 256);"
-        mark = "tl::warpgroup_wait<0>();"  # released once the first chain has completed
-    elif mode == "turns":
-        before = (
-            f"if ({first}) {{ if (djax_chain > 0) tl::__sync_thread_partial({mine}, 256); }}"
-            f" else tl::__sync_thread_partial({theirs}, 256);"
-        )
-        after = (
-            f"if ({first}) tl::__named_barrier_arrive({theirs}, 256);"
-            f" else if (djax_chain < {chains - 1}) tl::__named_barrier_arrive({mine}, 256);"
-        )
-        mark = "tl::warpgroup_commit_batch();"  # released once the chain is issued
-    else:
-        raise ValueError(f"stagger must be one of {STAGGERS}, got {mode!r}")
-    out, pos = [source[:at], "\n    int djax_chain = 0;"], at
-    while (issue := source.find("tl::warpgroup_arrive();", pos)) >= 0:
-        done = source.index(mark, issue) + len(mark)
-        out += [source[pos:issue], before + "\n        ", source[issue:done]]
-        out += ["\n        " + after + " ++djax_chain;"]
-        pos = done
-    if len(out) == 2:
-        raise NotImplementedError("no wgmma chain found in the consumer")
-    return "".join(out) + source[pos:]
-
-
 def ws_program(m: int, n: int, k: int, tiling: WsTiling):
     """The CUDA program for TileLang's TMA + warp-specialised lowering (same operands as `cuda_program`). With
     split_k > 1 the result is f32 partials P[split_k, m, n] (each split sums its share of the k blocks).
     See `WsTiling` for the warpgroup layouts, 128-column slices and shared-memory scales."""
     import tilelang.language as T
-    from tilelang.layout import make_swizzled_layout
 
     check_ws_tiling(m, n, k, tiling)
     if tiling.k_groups > 1:
@@ -458,7 +394,6 @@ def ws_program(m: int, n: int, k: int, tiling: WsTiling):
     def fp8_gemm(A: A_t, AS: AS_t, B: B_t, BS: BS_t, C: C_t):
         with T.Kernel(n // bn, T.ceildiv(m, bm), split, threads=tiling.consumer_threads) as (bx, by, bz):
             a_s = T.alloc_shared((bm, BLOCK), fp8)
-            a_r = T.alloc_fragment((bm, BLOCK), fp8)  # a_regs: the A tile in registers, read once a k block
             b_s = T.alloc_shared((sw, BLOCK), fp8)
             b1_s = T.alloc_shared((sw, BLOCK), fp8)  # second 128-column slice (unused unless sliced)
             part = T.alloc_fragment((bm, sw), f32)
@@ -478,10 +413,6 @@ def ws_program(m: int, n: int, k: int, tiling: WsTiling):
             c1_s = T.alloc_shared((bm, sw), out_dtype)
             if tiling.panel:
                 T.use_swizzle(tiling.panel)
-            if (
-                tiling.a_regs
-            ):  # TMA's 128-byte swizzle: the 4-byte loads into registers then miss bank conflicts
-                T.annotate_layout({a_s: make_swizzled_layout(a_s)})
             if ss:  # the whole k range's scales, once (TMA; rows past m fill with 0)
                 T.copy(AS[by * bm, bz * kps], as_s)
                 T.copy(BS[bx * bn // BLOCK, bz * kps], bs_s)
@@ -515,11 +446,7 @@ def ws_program(m: int, n: int, k: int, tiling: WsTiling):
                     load_ahead(AS, BS, ahead_a, ahead_b, ahead_b1, bx, by, T.min(i + 1, bz * kps + kps - 1))
                 else:
                     load_scales(AS, BS, scale, scale1, bx, by, i)
-                a_op = a_s
-                if tiling.a_regs:
-                    T.copy(a_s, a_r)
-                    a_op = a_r
-                T.gemm(a_op, b_s, part, transpose_B=True, clear_accum=True, policy=policy)
+                T.gemm(a_s, b_s, part, transpose_B=True, clear_accum=True, policy=policy)
                 if nsb == 2 and not sliced:  # warpgroups side by side: each one's columns in one scale block
                     for r, c in T.Parallel(bm, sw):
                         acc[r, c] += part[r, c] * T.if_then_else(c < BLOCK, scale[r], scale1[r])
@@ -527,7 +454,7 @@ def ws_program(m: int, n: int, k: int, tiling: WsTiling):
                     for r, c in T.Parallel(bm, sw):
                         acc[r, c] += part[r, c] * scale[r]
                 if sliced:
-                    T.gemm(a_op, b1_s, part, transpose_B=True, clear_accum=True, policy=policy)
+                    T.gemm(a_s, b1_s, part, transpose_B=True, clear_accum=True, policy=policy)
                     for r, c in T.Parallel(bm, sw):
                         acc1[r, c] += part[r, c] * scale1[r]
             T.copy(acc, c_s)
@@ -617,9 +544,6 @@ def lower_ws(m: int, n: int, k: int, tiling: WsTiling | None = None) -> tuple[st
     fn, launch = one_kernel(art)
     (host_fn,) = art.host_mod.functions.values()
     source = art.kernel_source
-    if tiling.stagger:
-        chains = (k // BLOCK // tiling.split_k) * tiling.slices
-        source = staggered(source, launch["threads"], tiling.stagger, chains)
     if tiling.sums_in_cluster:
         from djax.kernels.fp8_decode_tilelang import with_cluster_sum
 

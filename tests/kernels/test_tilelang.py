@@ -276,6 +276,11 @@ def test_ws_tiling_validation_and_defaults():
     with pytest.raises(ValueError, match="m <= 64"):
         check_ws_tiling(65, 4096, 7168, WsTiling(64, 64, 8, k_groups=2))
     assert WsTiling(64, 64, 8, split_k=2, k_groups=4).name == "ws64x64s8_k2_g4"
+    assert WsTiling(128, 256, 3, 8, scales_ahead=True).name == "ws128x256s3_p8_sa"
+    with pytest.raises(ValueError, match="scales_ahead"):  # the scales come from one place
+        check_ws_tiling(4096, 4096, 4096, WsTiling(128, 256, 3, smem_scales=True, scales_ahead=True))
+    with pytest.raises(ValueError, match="no other options"):  # the decode program reads its own scales
+        check_ws_tiling(64, 4096, 7168, WsTiling(64, 64, 8, split_k=2, k_groups=2, scales_ahead=True))
     assert WsTiling(128, 256, 3).slices == 2 and WsTiling(64, 256, 3, warpgroups=2).slices == 1
     assert WsTiling(64, 256, 5, split_k=2, warpgroups=2, smem_scales=True).name == "ws64x256s5_k2_w2_ss"
     for (regime, n, k), t in MEASURED_WS_BEST.items():
