@@ -102,7 +102,6 @@ class WsTiling:
     smem_scales: bool = False
     k_groups: int = 1
     scales_ahead: bool = False
-    quarters: bool = False
 
     @property
     def consumer_wgs(self) -> int:
@@ -136,7 +135,7 @@ class WsTiling:
         tail = (f"_p{self.panel}" if self.panel else "") + (f"_k{self.split_k}" if self.split_k > 1 else "")
         tail += (f"_w{self.warpgroups}" if self.warpgroups else "") + ("_ss" if self.smem_scales else "")
         tail += f"_g{self.k_groups}" if self.k_groups > 1 else ""
-        tail += ("_sa" if self.scales_ahead else "") + ("_q" if self.quarters else "")
+        tail += "_sa" if self.scales_ahead else ""
         return f"ws{self.block_m}x{self.block_n}s{self.stages}{tail}"
 
 
@@ -198,9 +197,6 @@ WS_VARIANTS = {  # tilings worth timing (measured best first, then the newer one
         # the next k block's scales loaded a block ahead (the prefill default since; measured against the
         # same tiles without, tilelang_fp8_gemm_h200_ahead_ab.json)
         WsTiling(128, 256, 3, 8, scales_ahead=True),
-        # 64-column wgmma quarters, each quarter's promotion under the next quarter's wgmmas
-        WsTiling(128, 256, 3, 8, scales_ahead=True, quarters=True),
-        WsTiling(128, 256, 4, 8, scales_ahead=True, quarters=True),
     ),
     "decode": (
         WsTiling(64, 32, 8),
@@ -331,8 +327,6 @@ def check_ws_tiling(m: int, n: int, k: int, tiling: WsTiling) -> None:
         raise ValueError(f"{wgs} consumer warpgroups do not tile {bm}x{bn}: {tiling}")
     if n % bn:
         raise ValueError(f"block_n={bn} does not divide n={n}")
-    if tiling.quarters and (tiling.slices != 2 or not tiling.by_rows or tiling.split_k > 1):
-        raise ValueError(f"quarters needs 128x256 tiles by rows, unsplit: {tiling}")
     if tiling.scales_ahead and tiling.smem_scales:
         raise ValueError(
             f"scales_ahead reads the scales from global memory, smem_scales from shared: {tiling}"
@@ -346,23 +340,6 @@ def check_ws_tiling(m: int, n: int, k: int, tiling: WsTiling) -> None:
         # A split's scale columns padded up to a 16-byte TMA box: on the H200 this kernel stopped with an
         # illegal instruction (64x4096x7168, split_k 4: 14 k blocks per split). Not understood; refused.
         raise ValueError(f"smem_scales needs a multiple of 4 k blocks per split: {tiling} at k={k}")
-
-
-def released_after_wait(source: str) -> str:
-    """The quarters program's lowered source with the consumers' stage releases moved after the k block's
-    final `wait_wgmma<0>`. TileLang counts an asynchronous wgmma's shared-memory operands as read once it is
-    issued and frees their stage right there, so the producer could load the next k block into buffers the
-    tensor cores still read."""
-    start = source.index("tl::warpgroup_reg_alloc<")
-    wait = "tl::wait_wgmma<0>();"
-    end = source.index(wait, start)
-    body = source[start:end].split("\n")
-    arrives = [line.strip() for line in body if line.strip().startswith("mbarrier[") and ".arrive();" in line]
-    if len(arrives) != 3:  # A's, and the two B slices'
-        raise NotImplementedError(f"expected three stage releases in the consumer loop, found {arrives}")
-    kept = "\n".join(line for line in body if line.strip() not in arrives)
-    at = end + len(wait)
-    return source[:start] + kept + source[end:at] + "\n      " + "\n      ".join(arrives) + source[at:]
 
 
 def ws_program(m: int, n: int, k: int, tiling: WsTiling):
@@ -402,15 +379,6 @@ def ws_program(m: int, n: int, k: int, tiling: WsTiling):
                 s1[r] = AS[by * bm + r, i] * BS[bx * nsb + 1, i]
 
     @T.macro
-    def gemm_async(a, b, part):
-        T.wgmma_gemm(a, b, part, transpose_B=True, clear_accum=True, policy=policy)
-
-    @T.macro
-    def promote(acc, part, scale):
-        for r, c in T.Parallel(bm, 64):
-            acc[r, c] += part[r, c] * scale[r]
-
-    @T.macro
     def load_ahead(AS, BS, sa, sb, sb1, bx, by, i):
         """k block i's scales, not multiplied: sa the rows' activation scales, sb (sb1) the weight scale of
         the tile's first (second) weight-scale block, the same in every entry."""
@@ -443,8 +411,6 @@ def ws_program(m: int, n: int, k: int, tiling: WsTiling):
             bs_s = T.alloc_shared((nsb, kss), f32)
             c_s = T.alloc_shared((bm, sw), out_dtype)
             c1_s = T.alloc_shared((bm, sw), out_dtype)
-            # quarters: a 64-column accumulator per quarter of the warpgroup's columns, two partials in turn
-            q0, q1, q2, q3, pa, pb = (T.alloc_fragment((bm, 64), f32) for _ in range(6))
             if tiling.panel:
                 T.use_swizzle(tiling.panel)
             if ss:  # the whole k range's scales, once (TMA; rows past m fill with 0)
@@ -452,13 +418,9 @@ def ws_program(m: int, n: int, k: int, tiling: WsTiling):
                 T.copy(BS[bx * bn // BLOCK, bz * kps], bs_s)
             if tiling.scales_ahead:
                 load_ahead(AS, BS, ahead_a, ahead_b, ahead_b1, bx, by, bz * kps)
-            if tiling.quarters:
-                for q in (q0, q1, q2, q3):
-                    T.clear(q)
-            else:
-                T.clear(acc)
-                if sliced:
-                    T.clear(acc1)
+            T.clear(acc)
+            if sliced:
+                T.clear(acc1)
             for j in T.Pipelined(kps, num_stages=stages):
                 i = bz * kps + j
                 T.copy(A[by * bm, i * BLOCK], a_s)
@@ -484,44 +446,20 @@ def ws_program(m: int, n: int, k: int, tiling: WsTiling):
                     load_ahead(AS, BS, ahead_a, ahead_b, ahead_b1, bx, by, T.min(i + 1, bz * kps + kps - 1))
                 else:
                     load_scales(AS, BS, scale, scale1, bx, by, i)
-                if tiling.quarters:
-                    # four 64-column wgmma chains; each quarter's promotion runs while the next one's chain
-                    # is on the tensor cores (two partials in turn), not after it
-                    gemm_async(a_s, b_s[0:64, :], pa)
-                    gemm_async(a_s, b_s[64:128, :], pb)
-                    T.wait_wgmma(1)
-                    promote(q0, pa, scale)
-                    gemm_async(a_s, b1_s[0:64, :], pa)
-                    T.wait_wgmma(1)
-                    promote(q1, pb, scale)
-                    gemm_async(a_s, b1_s[64:128, :], pb)
-                    T.wait_wgmma(1)
-                    promote(q2, pa, scale1)
-                    T.wait_wgmma(0)
-                    promote(q3, pb, scale1)
+                T.gemm(a_s, b_s, part, transpose_B=True, clear_accum=True, policy=policy)
+                if nsb == 2 and not sliced:  # warpgroups side by side: each one's columns in one scale block
+                    for r, c in T.Parallel(bm, sw):
+                        acc[r, c] += part[r, c] * T.if_then_else(c < BLOCK, scale[r], scale1[r])
                 else:
-                    T.gemm(a_s, b_s, part, transpose_B=True, clear_accum=True, policy=policy)
-                    if (
-                        nsb == 2 and not sliced
-                    ):  # warpgroups side by side: each one's columns in one scale block
-                        for r, c in T.Parallel(bm, sw):
-                            acc[r, c] += part[r, c] * T.if_then_else(c < BLOCK, scale[r], scale1[r])
-                    else:
-                        for r, c in T.Parallel(bm, sw):
-                            acc[r, c] += part[r, c] * scale[r]
-                    if sliced:
-                        T.gemm(a_s, b1_s, part, transpose_B=True, clear_accum=True, policy=policy)
-                        for r, c in T.Parallel(bm, sw):
-                            acc1[r, c] += part[r, c] * scale1[r]
-            if tiling.quarters:
-                T.copy(q0, c_s[:, 0:64])
-                T.copy(q1, c_s[:, 64:128])
-                T.copy(q2, c1_s[:, 0:64])
-                T.copy(q3, c1_s[:, 64:128])
-            else:
-                T.copy(acc, c_s)
+                    for r, c in T.Parallel(bm, sw):
+                        acc[r, c] += part[r, c] * scale[r]
                 if sliced:
-                    T.copy(acc1, c1_s)
+                    T.gemm(a_s, b1_s, part, transpose_B=True, clear_accum=True, policy=policy)
+                    for r, c in T.Parallel(bm, sw):
+                        acc1[r, c] += part[r, c] * scale1[r]
+            T.copy(acc, c_s)
+            if sliced:
+                T.copy(acc1, c1_s)
             if split > 1:
                 T.copy(c_s, C[bz, by * bm, bx * bn])
                 if sliced:
@@ -606,8 +544,6 @@ def lower_ws(m: int, n: int, k: int, tiling: WsTiling | None = None) -> tuple[st
     fn, launch = one_kernel(art)
     (host_fn,) = art.host_mod.functions.values()
     source = art.kernel_source
-    if tiling.quarters:
-        source = released_after_wait(source)
     if tiling.sums_in_cluster:
         from djax.kernels.fp8_decode_tilelang import with_cluster_sum
 
