@@ -1,11 +1,13 @@
 """TileLang FP8 GEMM tilings side by side, in alternating rounds, so that drift within a run shows.
 
 python benchmarks/ab_fp8_tilings.py [--shapes 4096x4096x4096,...] [--only _ss,_g2,...] [--rounds 3] [--out DIR]
-(CUDA GPU, tilelang importable; `--build` lowers and compiles only, no GPU needed.)
+(CUDA GPU, tilelang importable; `--build` lowers and compiles only, no GPU needed; `--plot JSON` only draws an
+earlier run's PNG beside it.)
 Per shape: the "ws" default (`default_ws_tiling`) and every tiling of the shape's phase in `WS_VARIANTS`
 whose name contains one of `--only`, each checked against the f32 reference first (a wrong one is recorded
 and not timed), then `--rounds` rounds each timing every variant once (device time from a profiler trace,
-`bench_kernels.bench`). Writes fp8_tilings_ab.json (rewritten after every shape) under --out.
+`bench_kernels.bench`). Writes fp8_tilings_ab.json (rewritten after every shape) under --out, and its PNG
+(per shape, every variant's rounds as dots on its bar of the median, as a fraction of the FP8 peak).
 """
 
 import argparse
@@ -37,6 +39,50 @@ def tilings(m, n, k, only):
     return out
 
 
+def plot(result: dict, path: str) -> None:
+    """One panel per shape: per variant a bar at the median of its rounds and a dot per round, as a fraction
+    of the FP8 peak (the axis starts near the slowest), the median's microseconds beside it. Skipped where
+    matplotlib is missing."""
+    try:
+        import matplotlib
+
+        matplotlib.use("Agg")
+        import matplotlib.pyplot as plt
+    except ImportError:
+        return
+    from bench_tilelang import FP8_PEAK
+
+    rows = [r for r in result["rows"] if r["rounds"]]
+    if not rows:
+        return
+    names = [list(dict.fromkeys(n for rd in r["rounds"] for n in rd)) for r in rows]
+    fig, axes = plt.subplots(
+        len(rows), 1, figsize=(8, 0.3 * sum(map(len, names)) + 1.1 * len(rows)), squeeze=False
+    )
+    for ax, row, order in zip(axes[:, 0], rows, names, strict=True):
+        flops = 2 * row["m"] * row["n"] * row["k"]
+
+        def ratio(us, flops=flops):
+            return flops / (us * 1e-6) / FP8_PEAK
+
+        for i, name in enumerate(order):
+            times = [rd[name] for rd in row["rounds"] if name in rd]
+            median = float(np.median(times))
+            ax.barh(i, ratio(median), color="grey" if name == "ws_default" else "C0")
+            ax.plot([ratio(t) for t in times], [i] * len(times), "k.", markersize=3)
+            ax.text(ratio(min(times)), i, f"  {median:.1f} us", va="center", fontsize=6)  # right of the dots
+        ax.set_yticks(range(len(order)), order, fontsize=6)
+        ax.invert_yaxis()
+        ax.axvline(0.6, color="C3", linewidth=0.8)  # the target
+        lows = [ratio(max(rd.values())) for rd in row["rounds"]]
+        ax.set_xlim(left=max(0.0, np.floor(min(lows) * 0.9 / 0.05) * 0.05))  # the differences are a few %
+        ax.set_title(f"m{row['m']} n{row['n']} k{row['k']}: fraction of the FP8 peak (red: 60%)", fontsize=8)
+    fig.suptitle(f"TileLang FP8 tilings side by side, {result['device']}, {result['date'][:10]}", fontsize=9)
+    fig.tight_layout(rect=(0, 0, 1, 0.97))
+    fig.savefig(path, dpi=110)
+    plt.close(fig)
+
+
 def main():
     p = argparse.ArgumentParser()
     p.add_argument("--shapes", default="4096x4096x4096,4096x7168x7168,4096x4096x7168")
@@ -44,7 +90,12 @@ def main():
     p.add_argument("--rounds", type=int, default=3)
     p.add_argument("--out", default=os.environ.get("OUT", "/tmp"))
     p.add_argument("--build", action="store_true", help="lower and compile only")
+    p.add_argument("--plot", metavar="JSON", help="only draw the PNG of an earlier run's JSON, beside it")
     args = p.parse_args()
+    if args.plot:
+        with open(args.plot) as f:
+            plot(json.load(f), args.plot.removesuffix(".json") + ".png")
+        return
     shapes = [tuple(int(d) for d in s.split("x")) for s in args.shapes.split(",")]
     only = tuple(args.only.split(","))
     if args.build:
@@ -82,6 +133,7 @@ def main():
         res["rows"].append(row)
         with open(os.path.join(args.out, "fp8_tilings_ab.json"), "w") as f:
             json.dump(res, f, indent=1)
+        plot(res, os.path.join(args.out, "fp8_tilings_ab.png"))
 
 
 if __name__ == "__main__":
