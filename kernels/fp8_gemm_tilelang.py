@@ -102,8 +102,6 @@ class WsTiling:
     smem_scales: bool = False
     k_groups: int = 1
     scales_ahead: bool = False
-    persistent: bool = False
-    async_store: bool = False
 
     @property
     def consumer_wgs(self) -> int:
@@ -138,7 +136,6 @@ class WsTiling:
         tail += (f"_w{self.warpgroups}" if self.warpgroups else "") + ("_ss" if self.smem_scales else "")
         tail += f"_g{self.k_groups}" if self.k_groups > 1 else ""
         tail += "_sa" if self.scales_ahead else ""
-        tail += ("_pers" if self.persistent else "") + ("_as" if self.async_store else "")
         return f"ws{self.block_m}x{self.block_n}s{self.stages}{tail}"
 
 
@@ -200,10 +197,6 @@ WS_VARIANTS = {  # tilings worth timing (measured best first, then the newer one
         # the next k block's scales loaded a block ahead (the prefill default since; measured against the
         # same tiles without, tilelang_fp8_gemm_h200_ahead_ab.json)
         WsTiling(128, 256, 3, 8, scales_ahead=True),
-        # persistent: one CTA per SM walking its tiles; the tile's TMA store waited for where it is issued,
-        # or only before the next tile's staging write (fp8_persistent_tilelang)
-        WsTiling(128, 256, 3, 8, persistent=True),
-        WsTiling(128, 256, 3, 8, persistent=True, async_store=True),
     ),
     "decode": (
         WsTiling(64, 32, 8),
@@ -290,15 +283,6 @@ def cuda_program(m: int, n: int, k: int, tiling: Tiling):
 
 def check_ws_tiling(m: int, n: int, k: int, tiling: WsTiling) -> None:
     check_shapes(m, n, k)
-    if tiling.persistent:
-        t = tiling
-        if (t.block_m, t.block_n, t.split_k, t.warpgroups, t.smem_scales) != (128, 256, 1, 0, False):
-            raise ValueError(f"the persistent program takes 128x256 tiles and no other options: {t}")
-        if not 1 <= t.stages <= 3 or n % 256:  # the ring and the 64 KB of staging fill the 227 KB
-            raise ValueError(f"the persistent program needs 1-3 stages and 256 | n: {t} at n={n}")
-        return
-    if tiling.async_store:
-        raise ValueError(f"async_store is the persistent program's: {tiling}")
     if tiling.k_groups > 1:
         t = tiling
         if (
@@ -365,10 +349,6 @@ def ws_program(m: int, n: int, k: int, tiling: WsTiling):
     import tilelang.language as T
 
     check_ws_tiling(m, n, k, tiling)
-    if tiling.persistent:
-        from djax.kernels.fp8_persistent_tilelang import persistent_program
-
-        return persistent_program(m, n, k, tiling)
     if tiling.k_groups > 1:
         from djax.kernels.fp8_decode_tilelang import decode_program
 
@@ -564,10 +544,6 @@ def lower_ws(m: int, n: int, k: int, tiling: WsTiling | None = None) -> tuple[st
     fn, launch = one_kernel(art)
     (host_fn,) = art.host_mod.functions.values()
     source = art.kernel_source
-    if tiling.async_store:
-        from djax.kernels.fp8_persistent_tilelang import with_async_store
-
-        source = with_async_store(source)
     if tiling.sums_in_cluster:
         from djax.kernels.fp8_decode_tilelang import with_cluster_sum
 
@@ -592,10 +568,6 @@ def cuda_kernel(m: int, n: int, k: int, tiling: Tiling | None = None) -> CudaKer
 
 def ws_sources(tiling: WsTiling) -> tuple[str, ...]:
     """The modules whose text the "ws" lowering of `tiling` depends on (part of its disk cache key)."""
-    if tiling.persistent:
-        from djax.kernels import fp8_persistent_tilelang  # the program and its store change
-
-        return (__file__, tilelang_build.__file__, fp8_persistent_tilelang.__file__)
     if tiling.k_groups == 1:
         return (__file__, tilelang_build.__file__)
     from djax.kernels import fp8_decode_tilelang  # the program and its cluster code
