@@ -1,5 +1,6 @@
-"""Public FP8 block-scaled GEMM ops (dense, grouped contiguous, grouped masked): impl "auto"|"ref"|"triton"|
-"tilelang" (dense only)|"interpret" (the Triton kernel in its CPU interpreter via a host callback, float32 stand-ins; for tests).
+"""Public FP8 block-scaled GEMM ops (dense, grouped contiguous, grouped masked, and the experts' gate and up
+with their SwiGLU in the contiguous layout): impl "auto"|"ref"|"triton"|"tilelang" (dense only)|"interpret"
+(the Triton kernel in its CPU interpreter via a host callback, float32 stand-ins; for tests).
 
 The Triton kernels leave skipped rows (padding, rows past a group's count) unwritten; the reference zeros them.
 """
@@ -158,12 +159,8 @@ def grouped_swiglu_contiguous(
     if impl == "interpret":
         host = lambda *h: _host_swiglu(limit, gate_dtype.name, cfg, *h)  # noqa: E731
         return jax.pure_callback(host, out, *args)
-    from djax.ffi import cubin
-
     names = ["a_ptr", "as_ptr", "rows_ptr", "w1_ptr", "s1_ptr", "w3_ptr", "s3_ptr", "grp_ptr", "h_ptr"]
-    dtypes = [x.dtype for x in args] + [out.dtype]
-    kern = cubin.compile_triton(sk.fp8_swiglu_kernel, names, dtypes, cx, cfg.num_warps, cfg.num_stages)
-    return cubin.launch(kern, sk.grid(m, n, cfg), args, out)
+    return _launch(sk.fp8_swiglu_kernel, names, args, out, cx, cfg, sk.grid(m, n, cfg))
 
 
 def grouped_masked(
@@ -202,13 +199,19 @@ def _run(impl, mode, a, a_scale, b, b_scale, groups, out_dtype, cfg):
     if impl == "interpret":
         c = jax.pure_callback(lambda *h: _host(mode, cfg, out.dtype, *h), out, *args)
     else:
-        from djax.ffi import cubin
-
         names = ["a_ptr", "as_ptr", "b_ptr", "bs_ptr", "grp_ptr", "c_ptr"]
-        dtypes = [x.dtype for x in args] + [out.dtype]
-        kern = cubin.compile_triton(tk.fp8_gemm_kernel, names, dtypes, cx, cfg.num_warps, cfg.num_stages)
-        c = cubin.launch(kern, tk.grid(m, n, cfg), args, out)
+        c = _launch(tk.fp8_gemm_kernel, names, args, out, cx, cfg, tk.grid(m, n, cfg))
     return c if splits == 1 else c.sum(0).astype(out_dtype)
+
+
+def _launch(kernel, names, args, out, constexprs, cfg, grid):
+    """A Triton kernel compiled ahead (for its operands' and result's dtypes) and launched through the FFI
+    library on XLA's buffers: `names` its pointer parameters, operands then the result."""
+    from djax.ffi import cubin
+
+    dtypes = [x.dtype for x in args] + [out.dtype]
+    kern = cubin.compile_triton(kernel, names, dtypes, constexprs, cfg.num_warps, cfg.num_stages)
+    return cubin.launch(kern, grid, args, out)
 
 
 def _torch(x, dtype=np.float32):

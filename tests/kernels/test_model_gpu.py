@@ -163,8 +163,8 @@ def test_decode_kernels_auto_within_bf16_error(name, heads, monkeypatch):
 def test_decode_fp8_model_auto_within_bf16_error(monkeypatch):
     """An FP8 model (projections and routed experts as e4m3 with 128x128 scales, `quantize_projections`)
     decoding with kernels="auto" (activations quantized 1x128, then the CUDA kernels of fp8_gemm, of the
-    FP8 gate/up kernel and of the FP8 grouped GEMM) against kernels="ref" (the same quantization, their jnp references), both bf16, judged
-    against a float32 run of "ref"."""
+    FP8 gate/up kernel and of the FP8 grouped GEMM) against kernels="ref" (the same quantization, their jnp
+    references), both bf16, judged against a float32 run of "ref"."""
     from djax.kernels import fp8_gemm as kfp8
 
     jax.clear_caches()
