@@ -27,6 +27,7 @@ Compiling needs TileLang 0.1.15 and, for the cubin, nvcc (13.0 here and on the H
 import dataclasses
 import functools
 import hashlib
+import re
 from dataclasses import dataclass
 
 import jax
@@ -95,11 +96,7 @@ class WsTiling:
     block ahead) instead of in the block that uses them, whose promotion would otherwise wait on them.
 
     `early_store` (128x256, no split): the first 128-column slice's TMA store is issued as soon as that slice
-    is staged, under the second slice's staging, and one wait covers both stores (`with_early_store`).
-    `yield_ffma` > 0: in that fraction of each promotion's FFMA run the reuse flags are cleared so that the
-    warp scheduler may switch to the other warpgroup there (`sass_yield`, an edit of the compiled cubin).
-    `ctas_per_sm` 2 (one consumer warpgroup, a ring of at most 113 KB): the kernel is compiled so that two
-    CTAs fit on an SM (`with_two_ctas_per_sm`), so that one CTA's start and end run under the other's k loop."""
+    is staged, under the second slice's staging, and one wait covers both stores (`with_early_store`)."""
 
     block_m: int
     block_n: int
@@ -111,8 +108,6 @@ class WsTiling:
     k_groups: int = 1
     scales_ahead: bool = False
     early_store: bool = False
-    yield_ffma: float = 0.0
-    ctas_per_sm: int = 1
 
     @property
     def consumer_wgs(self) -> int:
@@ -148,8 +143,6 @@ class WsTiling:
         tail += f"_g{self.k_groups}" if self.k_groups > 1 else ""
         tail += "_sa" if self.scales_ahead else ""
         tail += "_es" if self.early_store else ""
-        tail += f"_y{round(100 * self.yield_ffma)}" if self.yield_ffma else ""
-        tail += f"_c{self.ctas_per_sm}" if self.ctas_per_sm > 1 else ""
         return f"ws{self.block_m}x{self.block_n}s{self.stages}{tail}"
 
 
@@ -163,7 +156,10 @@ MEASURED_WS_BEST = {
     # m=4096): 331.2-332.0 us against 335.9-337.5 (64.2% of FP8 peak); at 4096^3 117.2-117.7 against
     # 117.5-119.0 (59.2%)
     ("prefill", 7168, 7168): WsTiling(128, 256, 3, panel=8, scales_ahead=True),
-    ("prefill", 4096, 4096): WsTiling(128, 256, 3, panel=8, scales_ahead=True),
+    # the first slice's TMA store issued under the second slice's staging, side by side in two runs
+    # (tilelang_fp8_gemm_h200_early_store_yield_ab.json, _two_ctas_ab.json): 117.1-117.7 and 117.4-117.9 us
+    # against 118.9-120.3 and 118.0-120.6 at 4096^3; at k 7168 it was 0.4-0.9% slower, so not taken there
+    ("prefill", 4096, 4096): WsTiling(128, 256, 3, panel=8, scales_ahead=True, early_store=True),
     ("decode", 16384, 7168): WsTiling(64, 128, 8, smem_scales=True),  # 32.2 us
     # two consumer warpgroups over k, the 2 splits summed in their cluster: 11.99 us against 12.82 for the
     # former best (64x64, split 2, scales in shared memory, XLA's sum after) in the same run
@@ -211,15 +207,8 @@ WS_VARIANTS = {  # tilings worth timing (measured best first, then the newer one
         # the next k block's scales loaded a block ahead (the prefill default since; measured against the
         # same tiles without, tilelang_fp8_gemm_h200_ahead_ab.json)
         WsTiling(128, 256, 3, 8, scales_ahead=True),
-        # the first slice's TMA store issued under the second slice's staging, one wait for both; the
-        # promotions' FFMAs allowed to yield to the other warpgroup in half of each run or all of it
+        # the first slice's TMA store issued under the second slice's staging, one wait for both
         WsTiling(128, 256, 3, 8, scales_ahead=True, early_store=True),
-        WsTiling(128, 256, 3, 8, scales_ahead=True, yield_ffma=0.5),
-        WsTiling(128, 256, 3, 8, scales_ahead=True, yield_ffma=1.0),
-        WsTiling(128, 256, 3, 8, scales_ahead=True, early_store=True, yield_ffma=0.5),
-        # 64x256 tiles of one consumer warpgroup, two CTAs per SM (a 2-stage ring each)
-        WsTiling(64, 256, 2, 8, scales_ahead=True, ctas_per_sm=2),
-        WsTiling(64, 256, 2, 16, scales_ahead=True, ctas_per_sm=2),
     ),
     "decode": (
         WsTiling(64, 32, 8),
@@ -306,8 +295,6 @@ def cuda_program(m: int, n: int, k: int, tiling: Tiling):
 
 def check_ws_tiling(m: int, n: int, k: int, tiling: WsTiling) -> None:
     check_shapes(m, n, k)
-    if not 0 <= tiling.yield_ffma <= 1:
-        raise ValueError(f"yield_ffma is a fraction of each FFMA run, 0 to 1: {tiling}")
     if tiling.k_groups > 1:
         t = tiling
         if (
@@ -358,15 +345,6 @@ def check_ws_tiling(m: int, n: int, k: int, tiling: WsTiling) -> None:
         )
     if (k // BLOCK) % tiling.split_k:
         raise ValueError(f"split_k={tiling.split_k} does not divide the {k // BLOCK} k blocks")
-    if tiling.ctas_per_sm not in (1, 2):
-        raise ValueError(f"ctas_per_sm must be 1 or 2: {tiling}")
-    if tiling.ctas_per_sm == 2:
-        ring = min(tiling.stages, k // BLOCK // tiling.split_k) * (bm + bn) * BLOCK
-        if wgs != 1 or ring > TWO_CTA_SHARED:
-            raise ValueError(
-                f"two CTAs per SM need one consumer warpgroup and a ring of at most {TWO_CTA_SHARED} bytes "
-                f"(half an SM's shared memory, less the barriers): {tiling} has {wgs} and {ring}"
-            )
     if tiling.early_store and (tiling.slices != 2 or tiling.split_k > 1 or not tiling.by_rows):
         raise ValueError(f"early_store needs two 128-column slices per warpgroup and no split of k: {tiling}")
     if tiling.smem_scales and (k // BLOCK) % 4:
@@ -586,61 +564,46 @@ def lower_ws(m: int, n: int, k: int, tiling: WsTiling | None = None) -> tuple[st
         source = with_cluster_sum(source, launch["name"], tiling.split_k)
     if tiling.early_store:
         source = with_early_store(source)
-    if tiling.ctas_per_sm == 2:
-        source = with_two_ctas_per_sm(source)
     return source, {**launch, "params": params_from_tilelang(fn, host_fn, _PARAMS)}
 
 
-# two CTAs of one consumer and one producer warpgroup on an SM: at launch each thread may have 65,536 / 512 = 128
-# registers, then the producer gives back down to 24 and the consumer takes up to 232 (24 + 232 = 2 x 128)
-TWO_CTA_SHARED = 113 * 1024
-_BOUNDS_ONE, _BOUNDS_TWO = "__launch_bounds__(256, 1)", "__launch_bounds__(256, 2)"
-_CONSUMER_REGS, _CONSUMER_REGS_TWO = "tl::warpgroup_reg_alloc<240>();", "tl::warpgroup_reg_alloc<232>();"
-_PRODUCER_REGS = "tl::warpgroup_reg_dealloc<24>();"
-
-
-def with_two_ctas_per_sm(source: str) -> str:
-    """The lowered source of a one-consumer-warpgroup kernel compiled for two CTAs per SM: launch bounds
-    that ask ptxas for 128 registers a thread at launch, and the consumer's register increase lowered from
-    TileLang's 240 to 232, which with the producer's 24 is what two CTAs' 256 threads can share. (An increase
-    the SM cannot grant waits, so both counts must fit.)"""
-    if not (source.count(_BOUNDS_ONE) == source.count(_CONSUMER_REGS) == source.count(_PRODUCER_REGS) == 1):
-        raise NotImplementedError("expected one 256-thread kernel with TileLang's 24/240 register split")
-    return source.replace(_BOUNDS_ONE, _BOUNDS_TWO).replace(_CONSUMER_REGS, _CONSUMER_REGS_TWO)
-
-
-_SYNC = "    tl::__sync_thread_partial(3, 256);\n"
-_STORES = "    if (tl::tl_shuffle_elect<256>()) {\n      tl::fence_proxy_async();\n"
 _STORE_WAIT = "      tl::tma_store_arrive();\n      tl::tma_store_wait<0, true>();\n"
 _STORING_THREAD = "    if (((int)threadIdx.x) == 128) {\n      tl::fence_proxy_async();\n"
 
 
 def with_early_store(source: str) -> str:
-    """The lowered 128x256 source with its epilogue reordered. TileLang stages both 128-column slices of the
-    bf16 tile in shared memory (a barrier after each), then one thread stores the first slice by TMA, waits
-    until TMA has read it, stores the second and waits again. Here that thread issues the first slice's stores
-    right after the barrier that ends its staging, so TMA reads it while the warpgroups stage the second
-    slice into its own buffer, and one wait at the end covers both store groups (the CTA may not exit while
-    TMA still reads its shared memory). Both groups are issued by the same thread, the first consumer thread,
-    which the wait needs: a bulk-async group belongs to the thread that committed it."""
-    stores = source.find(_STORES)
-    if stores < 0 or source.count(_STORES) != 1 or source.count(_STORE_WAIT) != 2:
-        raise NotImplementedError("unexpected epilogue in the lowered 128x256 source")
+    """The lowered source of a tile computed in two 128-column slices with its epilogue reordered. TileLang
+    stages both slices of the bf16 tile in shared memory (a barrier of the consumer threads after each), then
+    one thread stores the first slice by TMA, waits until TMA has read it, stores the second and waits again.
+    Here that thread issues the first slice's stores right after the barrier that ends its staging, so TMA
+    reads it while the consumers stage the second slice into its own buffer, and one wait at the end covers
+    both store groups (the CTA may not exit while TMA still reads its shared memory). Both groups are issued
+    by the same thread, the first consumer thread, which the wait needs: a bulk-async group belongs to the
+    thread that committed it."""
+    found = re.findall(r"tl_shuffle_elect<(\d+)>\(\)\) \{\n      tl::fence_proxy_async\(\);", source)
+    if len(found) != 1:
+        raise NotImplementedError("unexpected epilogue in the lowered source: not one elected store block")
+    consumers = found[0]
+    sync = f"    tl::__sync_thread_partial(3, {consumers});\n"
+    head = f"    if (tl::tl_shuffle_elect<{consumers}>()) {{\n      tl::fence_proxy_async();\n"
+    stores = source.find(head)
+    if stores < 0 or source.count(_STORE_WAIT) != 2:
+        raise NotImplementedError("unexpected epilogue in the lowered source: not two store groups")
     first_end = source.index(_STORE_WAIT, stores)
     second_end = source.index(_STORE_WAIT, first_end + len(_STORE_WAIT))
-    first = source[stores + len(_STORES) : first_end]  # the first slice's store loop
+    first = source[stores + len(head) : first_end]  # the first slice's store loop
     second = source[first_end + len(_STORE_WAIT) : second_end]
     close = second_end + len(_STORE_WAIT) + len("    }\n")
     if source[second_end + len(_STORE_WAIT) : close] != "    }\n":
         raise NotImplementedError("unexpected end of the store block in the lowered source")
-    if not source[stores - len(_SYNC) : stores] == _SYNC:
+    if not source[stores - len(sync) : stores] == sync:
         raise NotImplementedError("no barrier before the store block in the lowered source")
-    between = source.rindex(_SYNC, 0, stores - len(_SYNC))  # the barrier after the first slice's staging
+    between = source.rindex(sync, 0, stores - len(sync))  # the barrier after the first slice's staging
     if "c_s" not in first or "c1_s" in first or "c1_s" not in second or "c1_s" not in source[between:stores]:
         raise NotImplementedError("the slices' stores are not in the expected order in the lowered source")
     early = _STORING_THREAD + first + "      tl::tma_store_arrive();\n    }\n"
     last = _STORING_THREAD + second + _STORE_WAIT + "    }\n"
-    at = between + len(_SYNC)
+    at = between + len(sync)
     return source[:at] + early + source[at:stores] + last + source[close:]
 
 
@@ -675,17 +638,11 @@ def ws_kernel(m: int, n: int, k: int, tiling: WsTiling | None = None):
 
     tiling = tiling or default_ws_tiling(m, n, k)
     # the two edits come after TileLang's lowering, which they share with the tiling without them
-    base = dataclasses.replace(tiling, early_store=False, yield_ffma=0.0, ctas_per_sm=1)
+    base = dataclasses.replace(tiling, early_store=False)
     source, launch = lowered_on_disk("fp8_gemm_ws", (m, n, k, base), lower_ws, ws_sources(base))
     if tiling.early_store:
         source = with_early_store(source)
-    if tiling.ctas_per_sm == 2:
-        source = with_two_ctas_per_sm(source)
     binary = nvcc_cubin(source)
-    if tiling.yield_ffma:
-        from djax.kernels.sass_yield import cached_yield_in_ffma_runs
-
-        binary = cached_yield_in_ffma_runs(binary, tiling.yield_ffma)
     key = "tlws-" + hashlib.sha256(binary).hexdigest()[:24]
     return TmaKernel(
         key,

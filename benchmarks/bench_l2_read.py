@@ -1,0 +1,86 @@
+#!/usr/bin/env python3
+"""How fast the SMs can read from L2 and from DRAM: a ceiling for kernels that stream their operands from L2.
+
+python benchmarks/bench_l2_read.py [--out DIR]   (CUDA GPU, triton)
+
+A Triton kernel whose programs (8 per SM) sum f32 words in 8 KB chunks, the chunks dealt round-robin over the
+programs, `passes` times over a buffer: buffers of 8-32 MB stay in the 50 MB L2 after the first pass (64
+passes, so the first one's DRAM reads weigh little), a 2 GiB buffer is read once from DRAM. Device time from a
+profiler trace (`bench_kernels.bench`), bytes read / time. Writes l2_read.json under --out.
+
+Why: the 128x256 FP8 prefill kernel takes 48 KB from L2 per CTA and k block. At 4096^3 that is 805 MB in
+about 117 us, 6.9 TB/s; if that is near what L2 can deliver, only fewer bytes per FLOP (a weight tile
+multicast to two CTAs) can make it faster.
+"""
+
+import argparse
+import json
+import os
+import sys
+import time
+
+sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+import jax  # noqa: E402
+import jax.numpy as jnp  # noqa: E402
+import numpy as np  # noqa: E402
+import triton  # noqa: E402
+import triton.language as tl  # noqa: E402
+
+CHUNK = 2048  # f32 words a program reads per step (8 KB: 16 words a thread at 4 warps)
+PROGRAMS_PER_SM = 8
+
+
+@triton.jit
+def read_sum(x_ptr, out_ptr, CHUNKS: tl.constexpr, PASSES: tl.constexpr, CHUNK_WORDS: tl.constexpr):
+    """out[program] = the sum of the chunks c = program, program + programs, ... < CHUNKS * PASSES (chunk
+    c % CHUNKS of x)."""
+    pid = tl.program_id(0)
+    acc = tl.zeros([CHUNK_WORDS], tl.float32)
+    for i in range(pid, CHUNKS * PASSES, tl.num_programs(0)):
+        acc += tl.load(x_ptr + (i % CHUNKS) * CHUNK_WORDS + tl.arange(0, CHUNK_WORDS))
+    tl.store(out_ptr + pid, tl.sum(acc, axis=0))
+
+
+def reader(words: int, passes: int, programs: int):
+    """fn(x f32[words]) -> f32[programs], the kernel launched through the FFI library."""
+    from djax.ffi import cubin
+
+    if words % CHUNK:
+        raise ValueError(f"words must be a multiple of {CHUNK}")
+    constexprs = dict(CHUNKS=words // CHUNK, PASSES=passes, CHUNK_WORDS=CHUNK)
+    kern = cubin.compile_triton(read_sum, ["x_ptr", "out_ptr"], [np.float32, np.float32], constexprs, 4, 3)
+
+    def fn(x):
+        return cubin.launch(kern, (programs,), [x], [jax.ShapeDtypeStruct((programs,), jnp.float32)])[0]
+
+    return fn
+
+
+def main():
+    p = argparse.ArgumentParser()
+    p.add_argument("--out", default=os.environ.get("OUT", "/tmp"))
+    args = p.parse_args()
+    from bench_kernels import bench
+
+    sms = jax.devices()[0].core_count if hasattr(jax.devices()[0], "core_count") else 132
+    programs = PROGRAMS_PER_SM * sms
+    res = dict(device=jax.devices()[0].device_kind, date=time.strftime("%Y-%m-%d %H:%M:%S"), sms=sms, rows=[])
+    for mb, passes in ((8, 64), (16, 64), (32, 64), (2048, 1)):
+        words = mb * (1 << 20) // 4
+        x = jax.random.uniform(jax.random.key(mb), (words,), jnp.float32)
+        fn = reader(words, passes, programs)
+        got = float(jnp.sum(jax.jit(fn)(x)))
+        want = float(jnp.sum(x)) * passes
+        ok = abs(got - want) <= 1e-3 * abs(want)
+        wall, dev, _ = bench(fn, [(x,)], trace=True)
+        secs = dev or wall
+        row = dict(buffer_mb=mb, passes=passes, programs=programs, us=round(secs * 1e6, 2), sum_ok=ok)
+        row["tb_per_s"] = round(words * 4 * passes / secs / 1e12, 3)
+        res["rows"].append(row)
+        print(row, flush=True)
+    with open(os.path.join(args.out, "l2_read.json"), "w") as f:
+        json.dump(res, f, indent=1)
+
+
+if __name__ == "__main__":
+    main()
