@@ -156,9 +156,10 @@ MEASURED_WS_BEST = {
     # m=4096): 331.2-332.0 us against 335.9-337.5 (64.2% of FP8 peak); at 4096^3 117.2-117.7 against
     # 117.5-119.0 (59.2%)
     ("prefill", 7168, 7168): WsTiling(128, 256, 3, panel=8, scales_ahead=True),
-    # the first slice's TMA store issued under the second slice's staging, side by side in two runs
-    # (tilelang_fp8_gemm_h200_early_store_yield_ab.json, _two_ctas_ab.json): 117.1-117.7 and 117.4-117.9 us
-    # against 118.9-120.3 and 118.0-120.6 at 4096^3; at k 7168 it was 0.4-0.9% slower, so not taken there
+    # the first slice's TMA store issued under the second slice's staging, side by side in three runs
+    # (tilelang_fp8_gemm_h200_early_store_yield_ab.json, _two_ctas_ab.json, _clocks_persistent.json):
+    # 117.1-117.7, 117.4-117.9 and 116.4-117.1 us against 118.9-120.3, 118.0-120.6 and 117.7-117.9 at
+    # 4096^3; at k 7168 it was 0.4-0.9% slower every time, so not taken there
     ("prefill", 4096, 4096): WsTiling(128, 256, 3, panel=8, scales_ahead=True, early_store=True),
     ("decode", 16384, 7168): WsTiling(64, 128, 8, smem_scales=True),  # 32.2 us
     # two consumer warpgroups over k, the 2 splits summed in their cluster: 11.99 us against 12.82 for the
