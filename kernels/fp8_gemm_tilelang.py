@@ -95,8 +95,9 @@ class WsTiling:
     `scales_ahead` loads the next k block's scales while this one's wgmmas run (from global memory, one k
     block ahead) instead of in the block that uses them, whose promotion would otherwise wait on them.
 
-    `early_store` (128x256, no split): the first 128-column slice's TMA store is issued as soon as that slice
-    is staged, under the second slice's staging, and one wait covers both stores (`with_early_store`)."""
+    `early_store` (two 128-column slices a warpgroup, no split): the first slice's TMA store is issued as
+    soon as that slice is staged, under the second slice's staging, and one wait covers both stores
+    (`with_early_store`)."""
 
     block_m: int
     block_n: int
@@ -597,7 +598,7 @@ def with_early_store(source: str) -> str:
     close = second_end + len(_STORE_WAIT) + len("    }\n")
     if source[second_end + len(_STORE_WAIT) : close] != "    }\n":
         raise NotImplementedError("unexpected end of the store block in the lowered source")
-    if not source[stores - len(sync) : stores] == sync:
+    if source[stores - len(sync) : stores] != sync:
         raise NotImplementedError("no barrier before the store block in the lowered source")
     between = source.rindex(sync, 0, stores - len(sync))  # the barrier after the first slice's staging
     if "c_s" not in first or "c1_s" in first or "c1_s" not in second or "c1_s" not in source[between:stores]:
@@ -638,7 +639,7 @@ def ws_kernel(m: int, n: int, k: int, tiling: WsTiling | None = None):
     from djax.ffi.tma import TmaKernel
 
     tiling = tiling or default_ws_tiling(m, n, k)
-    # the two edits come after TileLang's lowering, which they share with the tiling without them
+    # the early store edits TileLang's lowering, which it shares with the tiling without it
     base = dataclasses.replace(tiling, early_store=False)
     source, launch = lowered_on_disk("fp8_gemm_ws", (m, n, k, base), lower_ws, ws_sources(base))
     if tiling.early_store:
