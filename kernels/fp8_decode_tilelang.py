@@ -21,32 +21,42 @@ a peer's shared memory.
 from djax.kernels.tilelang_build import with_cluster, with_device_code
 
 _CLUSTER_SUM = r"""
-template <int SPLIT, int BN>
+template <int SPLIT, int BN, int THREADS>
 __device__ __forceinline__ void djax_cluster_sum(const bfloat16_t* out_ro, int m, int n, int col0, const float* xfer,
                                                  int rank, int tid) {
   // TileLang declares the output const: this function is the only writer it does not see
   bfloat16_t* out = const_cast<bfloat16_t*>(out_ro);
   constexpr int ROWS = 64 / SPLIT;      // rows of the tile this split writes
   constexpr int ITEMS = ROWS * BN / 4;  // 4-column groups
+  constexpr int ITERS = (ITEMS + THREADS - 1) / THREADS;
   uint32_t base = (uint32_t)__cvta_generic_to_shared(xfer);
+  // every split's values first, so that all of this thread's remote loads are in flight at once
+  float4 v[ITERS][SPLIT];
 #pragma unroll
-  for (int i = tid; i < ITEMS; i += 128) {
+  for (int it = 0; it < ITERS; ++it) {
+    int i = tid + it * THREADS;
+    if (i < ITEMS) {
+      int r = rank * ROWS + i / (BN / 4), c = (i % (BN / 4)) * 4;
+      uint32_t local = base + (uint32_t)((r * BN + c) * 4);
+#pragma unroll
+      for (int j = 0; j < SPLIT; ++j) {
+        uint32_t remote;
+        asm volatile("mapa.shared::cluster.u32 %0, %1, %2;" : "=r"(remote) : "r"(local), "r"(j));
+        asm volatile("ld.shared::cluster.v4.f32 {%0, %1, %2, %3}, [%4];"
+                     : "=f"(v[it][j].x), "=f"(v[it][j].y), "=f"(v[it][j].z), "=f"(v[it][j].w) : "r"(remote) : "memory");
+      }
+    }
+  }
+#pragma unroll
+  for (int it = 0; it < ITERS; ++it) {
+    int i = tid + it * THREADS;
     int r = rank * ROWS + i / (BN / 4), c = (i % (BN / 4)) * 4;
-    uint32_t local = base + (uint32_t)((r * BN + c) * 4);
-    float4 v[SPLIT];
+    if (i < ITEMS && r < m) {
+      float4 a = v[it][0];
 #pragma unroll
-    for (int j = 0; j < SPLIT; ++j) {
-      uint32_t remote;
-      asm volatile("mapa.shared::cluster.u32 %0, %1, %2;" : "=r"(remote) : "r"(local), "r"(j));
-      asm volatile("ld.shared::cluster.v4.f32 {%0, %1, %2, %3}, [%4];"
-                   : "=f"(v[j].x), "=f"(v[j].y), "=f"(v[j].z), "=f"(v[j].w) : "r"(remote) : "memory");
-    }
-    float4 a = v[0];
-#pragma unroll
-    for (int j = 1; j < SPLIT; ++j) {
-      a.x += v[j].x; a.y += v[j].y; a.z += v[j].z; a.w += v[j].w;
-    }
-    if (r < m) {
+      for (int j = 1; j < SPLIT; ++j) {
+        a.x += v[it][j].x; a.y += v[it][j].y; a.z += v[it][j].z; a.w += v[it][j].w;
+      }
       bfloat16_t o[4] = {bfloat16_t(a.x), bfloat16_t(a.y), bfloat16_t(a.z), bfloat16_t(a.w)};
       *reinterpret_cast<uint2*>(out + (size_t)r * n + col0 + c) = *reinterpret_cast<const uint2*>(o);
     }
@@ -76,9 +86,10 @@ def decode_program(m: int, n: int, k: int, tiling):
       x 128) and its promotion (x activation scale x weight scale) into its own accumulator; then groups
       1.. write theirs to shared memory and group 0 adds them up.
     - with split_k > 1, group 0 writes the split's sum to `xfer`, every thread of the cluster meets at the
-      cluster barrier, group 0 of split z sums rows [64 z / split_k, 64 (z + 1) / split_k) over all splits
-      (`djax_cluster_sum`) and writes bf16; a second cluster barrier keeps every split's shared memory
-      alive until the others have read it."""
+      cluster barrier, the consumer warpgroups of split z sum rows [64 z / split_k, 64 (z + 1) / split_k)
+      over all splits (`djax_cluster_sum`, every remote load of a thread in flight at once) and write bf16;
+      a second cluster barrier (relaxed: no wait for those stores) keeps every split's shared memory alive
+      until the others have read it."""
     import tilelang.language as T
 
     from djax.kernels.fp8_gemm_tilelang import BLOCK, operand_types
@@ -145,19 +156,21 @@ def decode_program(m: int, n: int, k: int, tiling):
         if split > 1:
             T.cluster_arrive()  # release: this split's sum, to the cluster
             T.cluster_wait()  # acquire: every split's
-            if g == 0:
-                T.call_extern(
-                    "handle",
-                    f"djax_cluster_sum<{split}, {bn}>",
-                    C.data,
-                    m,
-                    n,
-                    bx * bn,
-                    T.address_of(xfer[0]),
-                    T.block_rank_in_cluster(),
-                    tx,
-                )
-            T.cluster_arrive()
+            # every consumer warpgroup takes a share of the rows (tx counts the consumer threads from 0)
+            T.call_extern(
+                "handle",
+                f"djax_cluster_sum<{split}, {bn}, {128 * kg}>",
+                C.data,
+                m,
+                n,
+                bx * bn,
+                T.address_of(xfer[0]),
+                T.block_rank_in_cluster(),
+                tx,
+            )
+            # relaxed: this barrier only keeps the CTA's shared memory alive until the peers have read it,
+            # and a release here would first wait until the bf16 stores above reach global memory
+            T.cluster_arrive_relaxed()
             T.cluster_wait()
 
     @T.macro
@@ -173,7 +186,7 @@ def decode_program(m: int, n: int, k: int, tiling):
         if split > 1:  # every thread of the cluster meets at both cluster barriers
             T.cluster_arrive()
             T.cluster_wait()
-            T.cluster_arrive()
+            T.cluster_arrive_relaxed()
             T.cluster_wait()
 
     A_t, AS_t, B_t, BS_t, C_t = operand_types(T, m, n, k)
