@@ -164,7 +164,8 @@ MEASURED_WS_BEST = {
     ("prefill", 4096, 4096): WsTiling(128, 256, 3, panel=8, scales_ahead=True, early_store=True),
     ("decode", 16384, 7168): WsTiling(64, 128, 8, smem_scales=True),  # 32.2 us
     # two consumer warpgroups over k, the 2 splits summed in their cluster: 11.99 us against 12.82 for the
-    # former best (64x64, split 2, scales in shared memory, XLA's sum after) in the same run
+    # former best (64x64, split 2, scales in shared memory, XLA's sum after) in the same run; 11.53-11.55
+    # since the cluster's sum changed (tilelang_fp8_gemm_h200_decode_cluster_sum_ab.json)
     ("decode", 4096, 7168): WsTiling(64, 64, 8, split_k=2, k_groups=2),
     ("decode", 4096, 4096): WsTiling(64, 64, 6, split_k=2),  # 8.75 us
     ("decode", 7168, 4096): WsTiling(64, 128, 8, smem_scales=True),  # 13.9 us
