@@ -24,7 +24,6 @@ blocks with the k splits summed in a thread-block cluster (`k_groups`, the progr
 Compiling needs TileLang 0.1.15 and, for the cubin, nvcc (13.0 here and on the H200 image), not a GPU.
 """
 
-import dataclasses
 import functools
 import hashlib
 import re
@@ -640,11 +639,7 @@ def ws_kernel(m: int, n: int, k: int, tiling: WsTiling | None = None):
     from djax.ffi.tma import TmaKernel
 
     tiling = tiling or default_ws_tiling(m, n, k)
-    # the early store edits TileLang's lowering, which it shares with the tiling without it
-    base = dataclasses.replace(tiling, early_store=False)
-    source, launch = lowered_on_disk("fp8_gemm_ws", (m, n, k, base), lower_ws, ws_sources(base))
-    if tiling.early_store:
-        source = with_early_store(source)
+    source, launch = lowered_on_disk("fp8_gemm_ws", (m, n, k, tiling), lower_ws, ws_sources(tiling))
     binary = nvcc_cubin(source)
     key = "tlws-" + hashlib.sha256(binary).hexdigest()[:24]
     return TmaKernel(
