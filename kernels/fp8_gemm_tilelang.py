@@ -131,12 +131,6 @@ class WsTiling:
         return max(1, wg_cols // BLOCK)
 
     @property
-    def straddles(self) -> bool:
-        """block_n does not divide 128: a tile's columns may span two weight-scale blocks, and the last
-        column tile may stick out past n (its loads fill with 0, its store is clipped)."""
-        return self.block_n < BLOCK and BLOCK % self.block_n != 0
-
-    @property
     def sums_in_cluster(self) -> bool:
         """The splits of a tile add up inside the kernel, in one thread-block cluster (the k-group program);
         otherwise, with split_k > 1, each split writes an f32 partial that XLA sums after the kernel."""
@@ -217,10 +211,6 @@ WS_VARIANTS = {  # tilings worth timing (measured best first, then the newer one
         WsTiling(128, 256, 3, 8, scales_ahead=True),
         # the first slice's TMA store issued under the second slice's staging, one wait for both
         WsTiling(128, 256, 3, 8, scales_ahead=True, early_store=True),
-        # 112 columns (as cuBLAS's kernel at 4096^3): 4096 / 112 -> 37 column tiles, 1,184 tiles of 128 x 112
-        # are 8.97 waves on 132 SMs against 3.88 for 512 of 128 x 256; a tile straddles two weight-scale blocks
-        WsTiling(128, 112, 4, 8, scales_ahead=True),
-        WsTiling(128, 112, 6, 8, scales_ahead=True),
     ),
     "decode": (
         WsTiling(64, 32, 8),
@@ -343,18 +333,13 @@ def check_ws_tiling(m: int, n: int, k: int, tiling: WsTiling) -> None:
             )
         return
     bm, bn, wgs = tiling.block_m, tiling.block_n, tiling.consumer_wgs
-    if bm not in (64, 128) or not (bn == 2 * BLOCK or (bn <= BLOCK and bn % 16 == 0)):
+    if bm not in (64, 128) or not (bn == 2 * BLOCK or (BLOCK % bn == 0 and bn % 16 == 0)):
         raise ValueError(
-            f"WsTiling needs block_m 64 or 128 and block_n {2 * BLOCK} or a multiple of 16 up to {BLOCK}: {tiling}"
+            f"WsTiling needs block_m 64 or 128 and block_n dividing {BLOCK} or {2 * BLOCK}: {tiling}"
         )
     if not (tiling.by_rows or (bm == 64 and wgs == 2 and bn >= 64)):
         raise ValueError(f"{wgs} consumer warpgroups do not tile {bm}x{bn}: {tiling}")
-    if tiling.straddles and not (tiling.by_rows and tiling.split_k == 1 and not tiling.smem_scales):
-        raise ValueError(
-            f"block_n={bn} (not dividing {BLOCK}) needs one warpgroup per 64 rows, no split of k and the "
-            f"scales read from global memory: {tiling}"
-        )
-    if n % bn and not tiling.straddles:
+    if n % bn:
         raise ValueError(f"block_n={bn} does not divide n={n}")
     if tiling.scales_ahead and tiling.smem_scales:
         raise ValueError(
@@ -388,9 +373,7 @@ def ws_program(m: int, n: int, k: int, tiling: WsTiling):
     kb = k // BLOCK
     kps = kb // split  # k blocks per split
     stages = max(1, min(tiling.stages, kps))
-    nsb = max(1, bn // BLOCK)  # weight-scale blocks the tile spans (straddling: up to 2, found per tile)
-    two = nsb == 2 or tiling.straddles  # a second weight scale per k block (scale1)
-    n_tiles = -(-n // bn)
+    nsb = max(1, bn // BLOCK)  # weight-scale blocks the tile spans
     sliced = tiling.slices == 2
     sw = bn // tiling.slices  # slice width
     ss = tiling.smem_scales
@@ -401,26 +384,15 @@ def ws_program(m: int, n: int, k: int, tiling: WsTiling):
 
     A_t, AS_t, B_t, BS_t, C_t = operand_types(T, m, n, k, out_shape, out_dtype)
 
-    def first_block(bx):
-        """The weight-scale block of the tile's first column."""
-        return bx * bn // BLOCK
-
-    def second_block(bx):
-        """The weight-scale block of the tile's last column: the next one at block_n 256; a straddling tile's
-        may be its first (or, past n, clamped to the last block: those columns are not stored)."""
-        if nsb == 2:
-            return bx * nsb + 1
-        return T.min((bx * bn + bn - 1) // BLOCK, n // BLOCK - 1)
-
     @T.macro
     def load_scales(AS, BS, s0, s1, bx, by, i):
         """Activation x weight scale of k block i for the tile's rows: s0 for its (first) weight-scale block,
-        s1 for its second when block_n is 256 or the tile straddles two."""
+        s1 for its second when block_n is 256."""
         for r in T.Parallel(bm):
-            s0[r] = AS[by * bm + r, i] * BS[first_block(bx), i]
-        if two:
+            s0[r] = AS[by * bm + r, i] * BS[bx * bn // BLOCK, i]
+        if nsb == 2:
             for r in T.Parallel(bm):
-                s1[r] = AS[by * bm + r, i] * BS[second_block(bx), i]
+                s1[r] = AS[by * bm + r, i] * BS[bx * nsb + 1, i]
 
     @T.macro
     def load_ahead(AS, BS, sa, sb, sb1, bx, by, i):
@@ -429,14 +401,14 @@ def ws_program(m: int, n: int, k: int, tiling: WsTiling):
         for r in T.Parallel(bm):
             sa[r] = AS[by * bm + r, i]
         for r in T.Parallel(bm):
-            sb[r] = BS[first_block(bx), i]
-        if two:
+            sb[r] = BS[bx * bn // BLOCK, i]
+        if nsb == 2:
             for r in T.Parallel(bm):
-                sb1[r] = BS[second_block(bx), i]
+                sb1[r] = BS[bx * nsb + 1, i]
 
     @T.prim_func
     def fp8_gemm(A: A_t, AS: AS_t, B: B_t, BS: BS_t, C: C_t):
-        with T.Kernel(n_tiles, T.ceildiv(m, bm), split, threads=tiling.consumer_threads) as (bx, by, bz):
+        with T.Kernel(n // bn, T.ceildiv(m, bm), split, threads=tiling.consumer_threads) as (bx, by, bz):
             a_s = T.alloc_shared((bm, BLOCK), fp8)
             b_s = T.alloc_shared((sw, BLOCK), fp8)
             b1_s = T.alloc_shared((sw, BLOCK), fp8)  # second 128-column slice (unused unless sliced)
@@ -484,7 +456,7 @@ def ws_program(m: int, n: int, k: int, tiling: WsTiling):
                     # past the end: any finite value) load under this block's wgmmas
                     for r in T.Parallel(bm):
                         scale[r] = ahead_a[r] * ahead_b[r]
-                    if two:
+                    if nsb == 2:
                         for r in T.Parallel(bm):
                             scale1[r] = ahead_a[r] * ahead_b1[r]
                     load_ahead(AS, BS, ahead_a, ahead_b, ahead_b1, bx, by, T.min(i + 1, bz * kps + kps - 1))
@@ -494,11 +466,6 @@ def ws_program(m: int, n: int, k: int, tiling: WsTiling):
                 if nsb == 2 and not sliced:  # warpgroups side by side: each one's columns in one scale block
                     for r, c in T.Parallel(bm, sw):
                         acc[r, c] += part[r, c] * T.if_then_else(c < BLOCK, scale[r], scale1[r])
-                elif tiling.straddles:  # columns from the next 128-column boundary on take the second scale
-                    for r, c in T.Parallel(bm, sw):
-                        acc[r, c] += part[r, c] * T.if_then_else(
-                            c < (first_block(bx) + 1) * BLOCK - bx * bn, scale[r], scale1[r]
-                        )
                 else:
                     for r, c in T.Parallel(bm, sw):
                         acc[r, c] += part[r, c] * scale[r]

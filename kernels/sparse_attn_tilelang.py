@@ -529,10 +529,7 @@ def ws_program(b: int, h: int, k: int, w: int, c: int, t: int, scale: float, til
         the cluster barrier that keeps this split's shared memory until every split has read it."""
         if dsmem:
             dsmem_merge(out, ring_l, ring_r, wts, bx, by, bz, h0, tid)
-            # relaxed: this barrier only keeps the split's shared memory alive until its peers have read it
-            # (this thread's reads are done: their values are in the stores above), and a releasing arrive
-            # would first wait until those bf16 stores reach global memory
-            T.cluster_arrive_relaxed()
+            T.cluster_arrive()
             T.cluster_wait()
         else:
             merge_slice(out, part, wts, bx, by, bz, h0, tid)
@@ -607,12 +604,11 @@ def ws_program(b: int, h: int, k: int, w: int, c: int, t: int, scale: float, til
                             T.cast(0, bf16),
                         )
                 T.cp_async_barrier_noinc(ready[st])
-            if merge:  # every thread of the cluster arrives once (twice with dsmem: see below); relaxed,
-                # since the producer writes nothing that another CTA reads
-                T.cluster_arrive_relaxed()
+            if merge:  # every thread of the cluster arrives once (twice with dsmem: see below)
+                T.cluster_arrive()
                 T.cluster_wait()
                 if dsmem:
-                    T.cluster_arrive_relaxed()
+                    T.cluster_arrive()
                     T.cluster_wait()
         elif tx < 128:
             T.set_max_nreg(240, 1)

@@ -78,16 +78,14 @@ def test_lowering_warp_specialised_kernel():
 def test_lowering_merged_splits_kernel():
     """Splits merged in the kernel: the 3 splits of a row are one thread-block cluster declared in the
     source (the FFI launcher's plain cuLaunchKernel honours it); the output comes first, then the scratch
-    partials; every thread arrives at the cluster barrier once (each warpgroup on its own path; the
-    producer's arrive is relaxed, the consumers' release their partials), then both consumer warpgroups
-    merge this split's third of the columns (11 of the 32 groups of 4; the last split 10) with 16-byte
-    loads of the partials."""
+    partials; every thread arrives at the cluster barrier once (each warpgroup on its own path), then both
+    consumer warpgroups merge this split's third of the columns (11 of the 32 groups of 4; the last split
+    10) with 16-byte loads of the partials."""
     src, launch = _lowered((3, 64, 128, 100, 300, 77), 32, 2, 384, 3, True)
     assert launch["name"] == "sparse_decode_merged_kernel" and launch["grid"] == (3, 1, 3)
     assert launch["params"] == (*OPERANDS, "p6_out", "p7_part", "p8_lse")
     assert "__launch_bounds__(384, 1) __cluster_dims__(1, 1, 3) sparse_decode_merged_kernel(" in src
-    assert src.count("tl::cluster_arrive();") == 2 and src.count("tl::cluster_arrive_relaxed();") == 1
-    assert src.count("tl::cluster_wait();") == 3
+    assert src.count("tl::cluster_arrive();") == 3 and src.count("tl::cluster_wait();") == 3
     assert "block_rank_in_cluster()" in src  # a launch without the cluster poisons the merge with NaN
     assert "*(float4*)(p7_part + " in src
 
@@ -98,14 +96,12 @@ def test_lowering_dsmem_merged_kernel():
     (TileLang drops the unused parameter, so the launcher passes out and the log-sum-exps); each consumer
     warpgroup stages its normalised half over its own key ring, and after the cluster barrier merges its
     slice from every split's shared memory (mapa + ld.shared::cluster); a second cluster barrier keeps
-    every split resident until the others have read it. Only the consumers' first arrive releases (their
-    staged partials and log-sum-exps); the producer's two and the second ones publish nothing: relaxed."""
+    every split resident until the others have read it."""
     src, launch = _lowered((3, 64, 128, 100, 300, 77), 32, 4, 384, 3, True, True)
     assert launch["name"] == "sparse_decode_merged_kernel" and launch["grid"] == (3, 1, 3)
     assert launch["params"] == (*OPERANDS, "p6_out", "p8_lse")
     assert "__launch_bounds__(384, 1) __cluster_dims__(1, 1, 3) sparse_decode_merged_kernel(" in src
-    assert src.count("tl::cluster_arrive();") == 2 and src.count("tl::cluster_arrive_relaxed();") == 4
-    assert src.count("tl::cluster_wait();") == 6
+    assert src.count("tl::cluster_arrive();") == 6 and src.count("tl::cluster_wait();") == 6
     assert "p7_part" not in src and "block_rank_in_cluster()" in src
     kernel = src[src.index('extern "C" __global__') :]
     assert kernel.count("djax_stage<64>(") == 2  # k 128: each warpgroup's 64 value columns

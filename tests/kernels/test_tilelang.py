@@ -219,26 +219,6 @@ def test_ws_new_layouts_lower(tiling, m):
     assert tma.check(kern, _sizes(m, n, k, tiling.split_k)) == 5
 
 
-@needs_tilelang
-@needs_cuda_h
-def test_ws_straddling_tiles_lower():
-    """No GPU needed: 112-column tiles (not dividing 128) cover n = 512 with 5 column tiles, the last past n,
-    load B in 112-row boxes, and read two weight scales per k block, the second clamped to the last block."""
-    from djax.ffi import tma
-    from djax.kernels.fp8_gemm_tilelang import WsTiling, check_ws_tiling, lower_ws
-
-    t = WsTiling(128, 112, 4, 8, scales_ahead=True)
-    assert t.straddles and not WsTiling(128, 64, 4).straddles
-    src, launch = lower_ws(200, 512, 1024, t)
-    assert launch["grid"] == (5, 2, 1)
-    maps = {p.buffer: p for p in launch["params"] if isinstance(p, tma.TensorMap)}
-    assert maps[2].box == (128, 112) and maps[4].box[1] == 128
-    assert "min((((((int)blockIdx.x) * 7) + 6) >> 3), 3)" in src  # (112 bx + 111) / 128, at most n / 128 - 1
-    for bad in (WsTiling(128, 112, 4, split_k=2), WsTiling(128, 112, 4, smem_scales=True)):
-        with pytest.raises(ValueError, match="not dividing"):
-            check_ws_tiling(200, 512, 1024, bad)
-
-
 K_GROUPS = [t for t in WS_VARIANTS["decode"] if t.k_groups > 1]
 
 
