@@ -65,6 +65,36 @@ __device__ __forceinline__ void djax_cluster_sum(const bfloat16_t* out_ro, int m
 """
 
 
+# The pushed sum (`WsTiling.push_sum`): every consumer thread sends each of its accumulator values whose row
+# another warpgroup owns straight from its registers into the owner CTA's shared memory (st.async), and the
+# write completes bytes on the owner's `recv` mbarrier, so no cluster barrier with a release (a GPU-scope
+# fence) stands between the k loop and the owner's sum. Slot `slot` of the buffer holds one warpgroup's
+# R x BN values for the owner's rows, row-major with 8-column groups XOR-swizzled by row (an owner warp's
+# reads of one register then fall into 2 bank groups, not 8).
+_PUSH_SUM = r"""
+template <int R, int BN>
+__device__ __forceinline__ int djax_push_index(int slot, int rr, int c) {
+  return (slot * R + rr) * BN + (c ^ ((rr & 3) << 3));
+}
+
+template <int R, int BN>
+__device__ __forceinline__ void djax_push(float* buf, Barrier& bar, int owner, int slot, int rr, int c, float v) {
+  uint32_t local = (uint32_t)__cvta_generic_to_shared(buf + djax_push_index<R, BN>(slot, rr, c));
+  uint32_t local_bar = (uint32_t)__cvta_generic_to_shared(&bar);
+  uint32_t remote, remote_bar;
+  asm volatile("mapa.shared::cluster.u32 %0, %1, %2;" : "=r"(remote) : "r"(local), "r"(owner));
+  asm volatile("mapa.shared::cluster.u32 %0, %1, %2;" : "=r"(remote_bar) : "r"(local_bar), "r"(owner));
+  asm volatile("st.async.shared::cluster.mbarrier::complete_tx::bytes.b32 [%0], %1, [%2];"
+               :: "r"(remote), "r"(__float_as_uint(v)), "r"(remote_bar) : "memory");
+}
+
+template <int R, int BN>
+__device__ __forceinline__ float djax_pushed(const float* buf, int slot, int rr, int c) {
+  return buf[djax_push_index<R, BN>(slot, rr, c)];
+}
+"""
+
+
 def consumer_registers(k_groups: int) -> int:
     """Registers a consumer thread may take (setmaxnreg) once the producer is down to 40. ptxas gives every
     thread of a kernel with setmaxnreg the launch bound's share of the 64K (a multiple of 8), and an increase
@@ -101,6 +131,8 @@ def decode_program(m: int, n: int, k: int, tiling):
     producer = 128 * kg  # first thread of the producer warpgroup
     fp8, f32 = "float8_e4m3fn", "float32"
     consumer_regs = consumer_registers(kg)
+    push = tiling.push_sum
+    rows = 64 // split  # rows of the tile each split stores
 
     @T.macro
     def produce(A, B, a_s, b_s, full, empty, bx, bz):
@@ -133,14 +165,88 @@ def decode_program(m: int, n: int, k: int, tiling):
                 for r, c in T.Parallel(64, bn):
                     acc[r, c] += part[r, c] * scale[r]
 
+    def pushed_total(pushed, rank, rr, c):
+        """The sum of every slot but this split's group 0 (its own registers) at row rr, column c."""
+
+        def slot(s, h):
+            return T.call_extern(
+                "float32", f"djax_pushed<{rows}, {bn}>", T.address_of(pushed[0]), s * kg + h, rr, c
+            )
+
+        total = slot(0, 1) if kg > 1 else T.float32(0)
+        for s in range(split):
+            for h in range(1, kg):
+                if (s, h) != (0, 1):
+                    total = total + slot(s, h)
+            total = total + T.if_then_else(rank != s, slot(s, 0), T.float32(0))
+        return total
+
+    @T.macro
+    def push_end(C, pushed, recv, bx, g, acc):
+        """The pushed sum, after the k loop: this warpgroup's values for rows another warpgroup owns go to
+        that owner's slot (split `rank`, group g); group 0's owned rows wait for every other slot, add them
+        and store bf16. Both cluster barriers here arrive relaxed: the first only tells that every CTA's
+        `recv` barrier is initialised (its arrive came before the k loop), the second keeps every CTA until
+        the pushes into it have landed."""
+        T.cluster_wait()
+        rank = T.block_rank_in_cluster()
+        for r, c in T.Parallel(64, bn):
+            if g > 0 or r // rows != rank:
+                T.call_extern(
+                    "handle",
+                    f"djax_push<{rows}, {bn}>",
+                    T.address_of(pushed[0]),
+                    recv[0],
+                    r // rows,
+                    rank * kg + g,
+                    r % rows,
+                    c,
+                    acc[r, c],
+                )
+        if g == 0:
+            T.barrier_wait(recv[0], 0)
+            for r, c in T.Parallel(64, bn):
+                if r // rows == rank and r < m:
+                    C[r, bx * bn + c] = T.cast(
+                        acc[r, c] + pushed_total(pushed, rank, r % rows, c), "bfloat16"
+                    )
+        T.cluster_arrive_relaxed()
+        T.cluster_wait()
+
     @T.macro
     def consumer(
-        AS, BS, C, a_s, b_s, sa, sb, sums, xfer, full, empty, summed, bx, bz, tx, g, part, acc, scale
+        AS,
+        BS,
+        C,
+        a_s,
+        b_s,
+        sa,
+        sb,
+        sums,
+        xfer,
+        full,
+        empty,
+        summed,
+        pushed,
+        recv,
+        bx,
+        bz,
+        tx,
+        g,
+        part,
+        acc,
+        scale,
     ):
         """Consumer warpgroup g: its k blocks, then its share of the sums and, for group 0, the store."""
         T.set_max_nreg(consumer_regs, 1)
+        if push:
+            if g == 0 and tx == 0:  # the bytes every other warpgroup of the cluster will push here
+                T.mbarrier_arrive_expect_tx(recv[0], (split * kg - 1) * rows * bn * 4)
+            T.cluster_arrive_relaxed()  # after TileLang's barrier init (fence.mbarrier_init.release.cluster)
         consume(AS, BS, a_s, b_s, sa, sb, full, empty, bx, bz, g, part, acc, scale)
-        if g > 0:
+        if push:
+            push_end(C, pushed, recv, bx, g, acc)
+        elif g > 0:
             T.copy(acc, sums[g - 1, :, :])
             T.barrier_arrive(summed)
         else:
@@ -153,7 +259,7 @@ def decode_program(m: int, n: int, k: int, tiling):
             else:
                 for r, c in T.Parallel(64, bn):
                     xfer[r * bn + c] = acc[r, c]
-        if split > 1:
+        if split > 1 and not push:
             T.cluster_arrive()  # release: this split's sum, to the cluster
             T.cluster_wait()  # acquire: every split's
             # every consumer warpgroup takes a share of the rows (tx counts the consumer threads from 0)
@@ -182,8 +288,14 @@ def decode_program(m: int, n: int, k: int, tiling):
     @T.macro
     def produce_all(A, B, a_s, b_s, full, empty, bx, bz):
         T.set_max_nreg(40, 0)
+        if push:  # every thread of the cluster meets at both cluster barriers (see push_end)
+            T.cluster_arrive_relaxed()
         produce(A, B, a_s, b_s, full, empty, bx, bz)
-        if split > 1:  # every thread of the cluster meets at both cluster barriers
+        if push:
+            T.cluster_wait()
+            T.cluster_arrive_relaxed()
+            T.cluster_wait()
+        elif split > 1:  # every thread of the cluster meets at both cluster barriers
             T.cluster_arrive()
             T.cluster_wait()
             T.cluster_arrive_relaxed()
@@ -198,18 +310,24 @@ def decode_program(m: int, n: int, k: int, tiling):
             b_s = T.alloc_shared((ns, bn, BLOCK), fp8)
             sa = T.alloc_shared((kg, turns, 64), f32)  # each group's activation scales, per turn and row
             sb = T.alloc_shared((kg, turns), f32)  # and weight scales, per turn
-            sums = T.alloc_shared((kg - 1, 64, bn), f32)  # groups 1..: their accumulators, for group 0
-            # the split's sum, row-major, read by the cluster
-            xfer = T.alloc_shared((64 * bn,), f32) if split > 1 else None
+            if push:  # every warpgroup's values for this split's rows (its own group 0's slot unused)
+                pushed = T.alloc_shared((split * kg * rows * bn,), f32)
+                recv = T.alloc_barrier(1)  # completes when all of them have landed
+                sums = xfer = None
+            else:
+                pushed = recv = None
+                sums = T.alloc_shared((kg - 1, 64, bn), f32)  # groups 1..: their accumulators, for group 0
+                # the split's sum, row-major, read by the cluster
+                xfer = T.alloc_shared((64 * bn,), f32) if split > 1 else None
             full = T.alloc_barrier([128] * ns)  # the producer's 128 threads
             empty = T.alloc_barrier([128] * ns)  # the consumer warpgroup that took the block
-            summed = T.alloc_barrier(128 * (kg - 1))  # groups 1.. have written `sums`
+            summed = None if push else T.alloc_barrier(128 * (kg - 1))  # groups 1.. have written `sums`
             # one set of registers per consumer warpgroup (each is laid out for its own 128 threads)
             p0, p1, p2, p3 = (T.alloc_fragment((64, bn), f32) for _ in range(4))
             c0, c1, c2, c3 = (T.alloc_fragment((64, bn), f32) for _ in range(4))
             s0, s1, s2, s3 = (T.alloc_fragment((64,), f32) for _ in range(4))
             tx = T.get_thread_binding()
-            bufs = (AS, BS, C, a_s, b_s, sa, sb, sums, xfer, full, empty, summed, bx, bz, tx)
+            bufs = (AS, BS, C, a_s, b_s, sa, sb, sums, xfer, full, empty, summed, pushed, recv, bx, bz, tx)
             # one if / elif chain over the roles (separate ifs would get a CTA-wide barrier between them)
             if tx >= producer:
                 produce_all(A, B, a_s, b_s, full, empty, bx, bz)
@@ -225,7 +343,7 @@ def decode_program(m: int, n: int, k: int, tiling):
     return fp8_gemm
 
 
-def with_cluster_sum(source: str, name: str, split: int) -> str:
-    """The lowered source with the cluster shape (1, 1, split) declared on the kernel and `djax_cluster_sum`
-    ahead of it."""
-    return with_device_code(with_cluster(source, name, (1, 1, split)), _CLUSTER_SUM)
+def with_cluster_sum(source: str, name: str, split: int, push: bool = False) -> str:
+    """The lowered source with the cluster shape (1, 1, split) declared on the kernel and the cluster sum's
+    device code (`djax_cluster_sum`, or with `push` the pushed sum's) ahead of it."""
+    return with_device_code(with_cluster(source, name, (1, 1, split)), _PUSH_SUM if push else _CLUSTER_SUM)
