@@ -336,7 +336,8 @@ def check_ws_tiling(m: int, n: int, k: int, tiling: WsTiling) -> None:
         if t.block_n + 40 > consumer_registers(t.k_groups):  # accumulator + partial, 64 x block_n f32 each
             raise ValueError(f"{t}: a consumer's registers do not hold two 64x{t.block_n} f32 tiles")
         ring = t.stages * (64 + t.block_n) * BLOCK
-        sums = 4 * 64 * t.block_n * (t.k_groups - (t.split_k == 1))  # other groups' sums, the split's
+        # other groups' sums, the split's, and with push_sum the other splits' rows
+        sums = 4 * 64 * t.block_n * (t.k_groups - (t.split_k == 1) + t.push_sum)
         scales = 4 * 65 * t.k_groups * -(-(k // BLOCK // t.split_k) // t.k_groups)
         need = ring + sums + scales
         if need > 227 * 1024:

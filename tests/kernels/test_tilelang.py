@@ -243,13 +243,12 @@ def test_ws_k_groups_lower(tiling, m):
     clustered = tiling.split_k > 1
     assert (f"__cluster_dims__(1, 1, {tiling.split_k})" in src) == clustered
     if tiling.push_sum:
-        # every consumer warpgroup pushes its values for other owners (st.async into their shared memory);
-        # group 0 waits for the bytes of the other split_k x k_groups - 1 warpgroups; no releasing arrive
+        # group 0 sends the rows other splits store in bulk copies into their shared memory and waits for the
+        # bytes of the other split_k - 1 splits; no releasing arrive anywhere
         rows, bn = 64 // tiling.split_k, tiling.block_n
-        assert src.count(f"djax_push<{rows}, {bn}>(") == tiling.k_groups
-        assert "st.async.shared::cluster.mbarrier::complete_tx::bytes.b32" in src
-        slots = tiling.split_k * tiling.k_groups - 1
-        assert f"recv[0].arrive_and_expect_tx({slots * rows * bn * 4});" in src
+        assert src.count(f"djax_push_rows<{tiling.split_k}, {rows}, {bn}>(") == 1
+        assert "cp.async.bulk.shared::cluster.shared::cta.mbarrier::complete_tx::bytes" in src
+        assert f"recv[0].arrive_and_expect_tx({(tiling.split_k - 1) * rows * bn * 4});" in src
         assert "djax_cluster_sum" not in src and "tl::cluster_arrive();" not in src
         assert src.count("tl::cluster_arrive_relaxed();") == 2 * (tiling.k_groups + 1)
     else:
