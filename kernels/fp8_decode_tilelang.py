@@ -65,49 +65,6 @@ __device__ __forceinline__ void djax_cluster_sum(const bfloat16_t* out_ro, int m
 """
 
 
-# The pushed sum (`WsTiling.push_sum`): group 0 of each split stages the rows of its sum that another split
-# stores, and one thread sends them to that split's shared memory in one bulk copy (cp.async.bulk, shared::cta
-# to shared::cluster) that completes bytes on the owner's `recv` mbarrier. So no cluster barrier with a release
-# (on the H200 a GPU-scope MEMBAR, which waits for every outstanding memory operation of the thread) stands
-# between the k loop and the owner's sum. Both sides use rows of BN floats with 8-column groups XOR-swizzled
-# by row (an owner warp's reads of one register then fall into 2 bank groups, not 8). Slot s of the receive
-# buffer holds split s's values for the owner's R rows.
-_PUSH_SUM = r"""
-template <int R, int BN>
-__device__ __forceinline__ int djax_push_index(int slot, int rr, int c) {
-  return (slot * R + rr) * BN + (c ^ ((rr & 3) << 3));
-}
-
-// All 128 threads of group 0, once each has staged its values: split `rank`'s rows for owner o are rows
-// [o R, (o + 1) R) of `xfer`; they go to slot `rank` of o's `pushed`.
-template <int SPLIT, int R, int BN>
-__device__ __forceinline__ void djax_push_rows(const float* xfer, const float* pushed, Barrier& recv, int rank,
-                                               int tid) {
-  asm volatile("fence.proxy.async.shared::cta;" ::: "memory");  // the staging stores, to the bulk copy
-  asm volatile("bar.sync 10, 128;" ::: "memory");
-  if (tid == 0) {
-    uint32_t bar = (uint32_t)__cvta_generic_to_shared(&recv);
-#pragma unroll
-    for (int o = 0; o < SPLIT; ++o) {
-      if (o == rank) continue;
-      uint32_t src = (uint32_t)__cvta_generic_to_shared(xfer + o * R * BN);
-      uint32_t dst = (uint32_t)__cvta_generic_to_shared(pushed + rank * R * BN);
-      uint32_t remote_dst, remote_bar;
-      asm volatile("mapa.shared::cluster.u32 %0, %1, %2;" : "=r"(remote_dst) : "r"(dst), "r"(o));
-      asm volatile("mapa.shared::cluster.u32 %0, %1, %2;" : "=r"(remote_bar) : "r"(bar), "r"(o));
-      asm volatile("cp.async.bulk.shared::cluster.shared::cta.mbarrier::complete_tx::bytes [%0], [%1], %2, [%3];"
-                   :: "r"(remote_dst), "r"(src), "r"(R * BN * 4), "r"(remote_bar) : "memory");
-    }
-  }
-}
-
-template <int R, int BN>
-__device__ __forceinline__ float djax_pushed(const float* buf, int slot, int rr, int c) {
-  return buf[djax_push_index<R, BN>(slot, rr, c)];
-}
-"""
-
-
 def consumer_registers(k_groups: int) -> int:
     """Registers a consumer thread may take (setmaxnreg) once the producer is down to 40. ptxas gives every
     thread of a kernel with setmaxnreg the launch bound's share of the 64K (a multiple of 8), and an increase
@@ -144,8 +101,6 @@ def decode_program(m: int, n: int, k: int, tiling):
     producer = 128 * kg  # first thread of the producer warpgroup
     fp8, f32 = "float8_e4m3fn", "float32"
     consumer_regs = consumer_registers(kg)
-    push = tiling.push_sum
-    rows = 64 // split  # rows of the tile each split stores
 
     @T.macro
     def produce(A, B, a_s, b_s, full, empty, bx, bz):
@@ -178,70 +133,12 @@ def decode_program(m: int, n: int, k: int, tiling):
                 for r, c in T.Parallel(64, bn):
                     acc[r, c] += part[r, c] * scale[r]
 
-    def pushed_total(pushed, rank, rr, c):
-        """The other splits' values at row rr (of this split's rows), column c."""
-        total = T.float32(0)
-        for s in range(split):
-            value = T.call_extern("float32", f"djax_pushed<{rows}, {bn}>", T.address_of(pushed[0]), s, rr, c)
-            total = total + T.if_then_else(rank != s, value, T.float32(0))
-        return total
-
-    @T.macro
-    def push_end(C, xfer, pushed, recv, bx, rank, acc, tx):
-        """Group 0's end with the pushed sum, once its accumulator holds the split's sum: stage the rows other
-        splits store, send them (`djax_push_rows`), wait for the other splits' rows of its own, add and store
-        bf16. `rank` is the split (blockIdx.z: the cluster spans z), read once rather than through the
-        cluster-rank register at every use."""
-        for r, c in T.Parallel(64, bn):
-            if r // rows != rank:
-                xfer[r * bn + T.bitwise_xor(c, (r & 3) * 8)] = acc[r, c]
-        T.call_extern(
-            "handle",
-            f"djax_push_rows<{split}, {rows}, {bn}>",
-            T.address_of(xfer[0]),
-            T.address_of(pushed[0]),
-            recv[0],
-            rank,
-            tx,
-        )
-        T.barrier_wait(recv[0], 0)
-        for r, c in T.Parallel(64, bn):
-            if r // rows == rank and r < m:
-                C[r, bx * bn + c] = T.cast(acc[r, c] + pushed_total(pushed, rank, r % rows, c), "bfloat16")
-
     @T.macro
     def consumer(
-        AS,
-        BS,
-        C,
-        a_s,
-        b_s,
-        sa,
-        sb,
-        sums,
-        xfer,
-        full,
-        empty,
-        summed,
-        pushed,
-        recv,
-        bx,
-        bz,
-        tx,
-        g,
-        part,
-        acc,
-        scale,
+        AS, BS, C, a_s, b_s, sa, sb, sums, xfer, full, empty, summed, bx, bz, tx, g, part, acc, scale
     ):
         """Consumer warpgroup g: its k blocks, then its share of the sums and, for group 0, the store."""
         T.set_max_nreg(consumer_regs, 1)
-        if push:
-            if g == 0 and tx == 0:  # the bytes the other splits will send here
-                T.mbarrier_arrive_expect_tx(recv[0], (split - 1) * rows * bn * 4)
-            # every CTA's `recv` barrier initialised (TileLang's fence.mbarrier_init.release.cluster, then
-            # these relaxed arrives): waited for here, while the first k blocks are still on their way
-            T.cluster_arrive_relaxed()
-            T.cluster_wait()
         consume(AS, BS, a_s, b_s, sa, sb, full, empty, bx, bz, g, part, acc, scale)
         if g > 0:
             T.copy(acc, sums[g - 1, :, :])
@@ -253,17 +150,10 @@ def decode_program(m: int, n: int, k: int, tiling):
                     acc[r, c] += sums[h, r, c]
             if split == 1:
                 T.copy(acc, C[0, bx * bn])  # rows past m are not stored
-            elif push:
-                push_end(C, xfer, pushed, recv, bx, bz, acc, tx)
             else:
                 for r, c in T.Parallel(64, bn):
                     xfer[r * bn + c] = acc[r, c]
-        if push:
-            # relaxed: keeps every CTA until the bulk copies that read its `xfer` have landed (each owner
-            # arrives once it has its bytes)
-            T.cluster_arrive_relaxed()
-            T.cluster_wait()
-        elif split > 1:
+        if split > 1:
             T.cluster_arrive()  # release: this split's sum, to the cluster
             T.cluster_wait()  # acquire: every split's
             # every consumer warpgroup takes a share of the rows (tx counts the consumer threads from 0)
@@ -292,14 +182,8 @@ def decode_program(m: int, n: int, k: int, tiling):
     @T.macro
     def produce_all(A, B, a_s, b_s, full, empty, bx, bz):
         T.set_max_nreg(40, 0)
-        if push:  # every thread of the cluster meets at both cluster barriers (see consumer)
-            T.cluster_arrive_relaxed()
         produce(A, B, a_s, b_s, full, empty, bx, bz)
-        if push:
-            T.cluster_wait()
-            T.cluster_arrive_relaxed()
-            T.cluster_wait()
-        elif split > 1:  # every thread of the cluster meets at both cluster barriers
+        if split > 1:  # every thread of the cluster meets at both cluster barriers
             T.cluster_arrive()
             T.cluster_wait()
             T.cluster_arrive_relaxed()
@@ -315,13 +199,8 @@ def decode_program(m: int, n: int, k: int, tiling):
             sa = T.alloc_shared((kg, turns, 64), f32)  # each group's activation scales, per turn and row
             sb = T.alloc_shared((kg, turns), f32)  # and weight scales, per turn
             sums = T.alloc_shared((kg - 1, 64, bn), f32)  # groups 1..: their accumulators, for group 0
-            # the split's sum, row-major (with push_sum: the rows other splits store, swizzled), for the cluster
+            # the split's sum, row-major, read by the cluster
             xfer = T.alloc_shared((64 * bn,), f32) if split > 1 else None
-            if push:  # the other splits' values for this split's rows, a slot per split (its own unused)
-                pushed = T.alloc_shared((64 * bn,), f32)
-                recv = T.alloc_barrier(1)  # completes when they have landed
-            else:
-                pushed = recv = None
             full = T.alloc_barrier([128] * ns)  # the producer's 128 threads
             empty = T.alloc_barrier([128] * ns)  # the consumer warpgroup that took the block
             summed = T.alloc_barrier(128 * (kg - 1))  # groups 1.. have written `sums`
@@ -330,7 +209,7 @@ def decode_program(m: int, n: int, k: int, tiling):
             c0, c1, c2, c3 = (T.alloc_fragment((64, bn), f32) for _ in range(4))
             s0, s1, s2, s3 = (T.alloc_fragment((64,), f32) for _ in range(4))
             tx = T.get_thread_binding()
-            bufs = (AS, BS, C, a_s, b_s, sa, sb, sums, xfer, full, empty, summed, pushed, recv, bx, bz, tx)
+            bufs = (AS, BS, C, a_s, b_s, sa, sb, sums, xfer, full, empty, summed, bx, bz, tx)
             # one if / elif chain over the roles (separate ifs would get a CTA-wide barrier between them)
             if tx >= producer:
                 produce_all(A, B, a_s, b_s, full, empty, bx, bz)
@@ -346,7 +225,7 @@ def decode_program(m: int, n: int, k: int, tiling):
     return fp8_gemm
 
 
-def with_cluster_sum(source: str, name: str, split: int, push: bool = False) -> str:
-    """The lowered source with the cluster shape (1, 1, split) declared on the kernel and the cluster sum's
-    device code (`djax_cluster_sum`, or with `push` the pushed sum's) ahead of it."""
-    return with_device_code(with_cluster(source, name, (1, 1, split)), _PUSH_SUM if push else _CLUSTER_SUM)
+def with_cluster_sum(source: str, name: str, split: int) -> str:
+    """The lowered source with the cluster shape (1, 1, split) declared on the kernel and `djax_cluster_sum`
+    ahead of it."""
+    return with_device_code(with_cluster(source, name, (1, 1, split)), _CLUSTER_SUM)

@@ -94,11 +94,6 @@ class WsTiling:
     `scales_ahead` loads the next k block's scales while this one's wgmmas run (from global memory, one k
     block ahead) instead of in the block that uses them, whose promotion would otherwise wait on them.
 
-    `push_sum` (k_groups > 1 and a split of k): the cluster's sum pushed rather than pulled: every consumer
-    thread writes its values for rows another CTA or warpgroup stores straight from registers into that
-    owner's shared memory (st.async, completing bytes on the owner's mbarrier), instead of staging its
-    group's sum for the cluster to read after a releasing cluster barrier.
-
     `early_store` (two 128-column slices a warpgroup, no split): the first slice's TMA store is issued as
     soon as that slice is staged, under the second slice's staging, and one wait covers both stores
     (`with_early_store`)."""
@@ -113,7 +108,6 @@ class WsTiling:
     k_groups: int = 1
     scales_ahead: bool = False
     early_store: bool = False
-    push_sum: bool = False
 
     @property
     def consumer_wgs(self) -> int:
@@ -149,7 +143,6 @@ class WsTiling:
         tail += f"_g{self.k_groups}" if self.k_groups > 1 else ""
         tail += "_sa" if self.scales_ahead else ""
         tail += "_es" if self.early_store else ""
-        tail += "_ps" if self.push_sum else ""
         return f"ws{self.block_m}x{self.block_n}s{self.stages}{tail}"
 
 
@@ -234,9 +227,6 @@ WS_VARIANTS = {  # tilings worth timing (measured best first, then the newer one
         WsTiling(64, 64, 8, split_k=2, k_groups=4),
         WsTiling(64, 32, 8, k_groups=4),
         WsTiling(64, 128, 6, k_groups=2),
-        # the cluster's sum pushed from registers into the owners' shared memory (st.async)
-        WsTiling(64, 64, 8, split_k=2, k_groups=2, push_sum=True),
-        WsTiling(64, 64, 8, split_k=2, k_groups=4, push_sum=True),
     ),
 }
 
@@ -322,8 +312,6 @@ def check_ws_tiling(m: int, n: int, k: int, tiling: WsTiling) -> None:
             )
         if not 2 <= t.k_groups <= 4 or t.split_k not in (1, 2, 4):
             raise ValueError(f"k_groups must be 2-4 and split_k 1, 2 or 4 (a cluster): {t}")
-        if t.push_sum and t.split_k == 1:
-            raise ValueError(f"push_sum sums the splits of a cluster: it needs split_k 2 or 4: {t}")
         if t.stages % t.k_groups:
             # every ring buffer must belong to one group: a group waiting on a buffer's next phase while
             # another group's phase of it is still pending would pass the parity wait at once (H200: a
@@ -336,8 +324,7 @@ def check_ws_tiling(m: int, n: int, k: int, tiling: WsTiling) -> None:
         if t.block_n + 40 > consumer_registers(t.k_groups):  # accumulator + partial, 64 x block_n f32 each
             raise ValueError(f"{t}: a consumer's registers do not hold two 64x{t.block_n} f32 tiles")
         ring = t.stages * (64 + t.block_n) * BLOCK
-        # other groups' sums, the split's, and with push_sum the other splits' rows
-        sums = 4 * 64 * t.block_n * (t.k_groups - (t.split_k == 1) + t.push_sum)
+        sums = 4 * 64 * t.block_n * (t.k_groups - (t.split_k == 1))  # other groups' sums, the split's
         scales = 4 * 65 * t.k_groups * -(-(k // BLOCK // t.split_k) // t.k_groups)
         need = ring + sums + scales
         if need > 227 * 1024:
@@ -346,8 +333,6 @@ def check_ws_tiling(m: int, n: int, k: int, tiling: WsTiling) -> None:
             )
         return
     bm, bn, wgs = tiling.block_m, tiling.block_n, tiling.consumer_wgs
-    if tiling.push_sum:
-        raise ValueError(f"push_sum is a form of the k-group program's cluster sum (k_groups > 1): {tiling}")
     if bm not in (64, 128) or not (bn == 2 * BLOCK or (BLOCK % bn == 0 and bn % 16 == 0)):
         raise ValueError(
             f"WsTiling needs block_m 64 or 128 and block_n dividing {BLOCK} or {2 * BLOCK}: {tiling}"
@@ -578,7 +563,7 @@ def lower_ws(m: int, n: int, k: int, tiling: WsTiling | None = None) -> tuple[st
     if tiling.sums_in_cluster:
         from djax.kernels.fp8_decode_tilelang import with_cluster_sum
 
-        source = with_cluster_sum(source, launch["name"], tiling.split_k, tiling.push_sum)
+        source = with_cluster_sum(source, launch["name"], tiling.split_k)
     if tiling.early_store:
         source = with_early_store(source)
     return source, {**launch, "params": params_from_tilelang(fn, host_fn, _PARAMS)}

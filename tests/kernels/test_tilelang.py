@@ -242,21 +242,10 @@ def test_ws_k_groups_lower(tiling, m):
     assert src.count("__syncthreads()") == 1  # after the barriers' init, before the roles split
     clustered = tiling.split_k > 1
     assert (f"__cluster_dims__(1, 1, {tiling.split_k})" in src) == clustered
-    if tiling.push_sum:
-        # group 0 sends the rows other splits store in bulk copies into their shared memory and waits for the
-        # bytes of the other split_k - 1 splits; no releasing arrive anywhere
-        rows, bn = 64 // tiling.split_k, tiling.block_n
-        assert src.count(f"djax_push_rows<{tiling.split_k}, {rows}, {bn}>(") == 1
-        assert "cp.async.bulk.shared::cluster.shared::cta.mbarrier::complete_tx::bytes" in src
-        assert f"recv[0].arrive_and_expect_tx({(tiling.split_k - 1) * rows * bn * 4});" in src
-        assert "djax_cluster_sum" not in src and "tl::cluster_arrive();" not in src
-        assert src.count("tl::cluster_arrive_relaxed();") == 2 * (tiling.k_groups + 1)
-    else:
-        # every consumer warpgroup takes a share of the cluster sum; the last barrier does not wait for its
-        # stores
-        sums = f"djax_cluster_sum<{tiling.split_k}, {tiling.block_n}, {128 * tiling.k_groups}>(C,"
-        assert src.count(sums) == (tiling.k_groups if clustered else 0)
-        assert src.count("tl::cluster_arrive_relaxed();") == (tiling.k_groups + 1 if clustered else 0)
+    # every consumer warpgroup takes a share of the cluster sum; the last barrier does not wait for its stores
+    sums = f"djax_cluster_sum<{tiling.split_k}, {tiling.block_n}, {128 * tiling.k_groups}>(C,"
+    assert src.count(sums) == (tiling.k_groups if clustered else 0)
+    assert src.count("tl::cluster_arrive_relaxed();") == (tiling.k_groups + 1 if clustered else 0)
     assert src.count("warpgroup_reg_alloc") == tiling.k_groups
     maps = {p.buffer: p for p in launch["params"] if isinstance(p, tma.TensorMap)}
     assert sorted(maps) == [0, 2] and 4 in launch["params"]  # A, B by TMA; the bf16 result a pointer
@@ -329,11 +318,6 @@ def test_ws_tiling_validation_and_defaults():
             check_ws_tiling(64, 4096, 7168, bad)
     with pytest.raises(ValueError, match="m <= 64"):
         check_ws_tiling(65, 4096, 7168, WsTiling(64, 64, 8, k_groups=2))
-    with pytest.raises(ValueError, match="push_sum"):  # the splits' sum: no cluster without a split
-        check_ws_tiling(64, 4096, 7168, WsTiling(64, 64, 8, k_groups=2, push_sum=True))
-    with pytest.raises(ValueError, match="push_sum"):  # only the k-group program has it
-        check_ws_tiling(64, 4096, 7168, WsTiling(64, 64, 8, split_k=2, push_sum=True))
-    assert WsTiling(64, 64, 8, split_k=2, k_groups=2, push_sum=True).name == "ws64x64s8_k2_g2_ps"
     assert WsTiling(64, 64, 8, split_k=2, k_groups=4).name == "ws64x64s8_k2_g4"
     assert WsTiling(128, 256, 3, 8, scales_ahead=True).name == "ws128x256s3_p8_sa"
     with pytest.raises(ValueError, match="scales_ahead"):  # the scales come from one place
