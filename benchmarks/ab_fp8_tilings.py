@@ -106,13 +106,13 @@ def main():
         return
 
     from bench_kernels import bench
-    from bench_tilelang import FP8_PEAK, RTOL, make_sets, rel_err
+    from bench_tilelang import FP8_PEAK, RTOL, make_sets, rel_err, timing_sets
 
     from djax.kernels.fp8_gemm_ref import fp8_gemm_ref
 
     res = dict(device=jax.devices()[0].device_kind, date=time.strftime("%Y-%m-%d %H:%M:%S"), rows=[])
     for m, n, k in shapes:
-        sets = make_sets(6 if m <= 64 else 2, m, n, k)  # at decode two sets of weights would stay in L2
+        sets = make_sets(timing_sets(m), m, n, k)
         ref = np.asarray(jax.jit(functools.partial(fp8_gemm_ref, out_dtype=jnp.float32))(*sets[0]))
         fns = {name: functools.partial(F.fp8_gemm_tilelang, tiling=t) for name, t in tilings(m, n, k, only)}
         row = dict(m=m, n=n, k=k, tilings={name: str(fn.keywords["tiling"]) for name, fn in fns.items()})
