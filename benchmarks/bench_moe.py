@@ -190,7 +190,8 @@ def moe_cases(record, small: bool):
 
 
 def fp8_cases(record, small: bool):
-    """FP8 block-scaled: dense (m x 4096 x 7168), grouped contiguous and masked at the MoE w1 shape."""
+    """FP8 block-scaled: dense (m x 4096 x 7168, and 64 x 4096 x 4096), grouped contiguous and masked at the MoE
+    w1 shape."""
     from djax.kernels.fp8_gemm_triton import Fp8Config, dense_config, split_k
 
     # decode (m = 64): 64-row tiles (the smallest wgmma M) with narrower N tiles and K splits give
@@ -216,9 +217,11 @@ def fp8_cases(record, small: bool):
         return f"bm{cfg.block_m} bn{cfg.block_n} w{cfg.num_warps} st{cfg.num_stages} split{split_k(cfg)}"
 
     f32 = jnp.float32
-    for m, n, kk in [(64, 4096, 7168), (4096, 4096, 7168)] if not small else [(40, 64, 256)]:
+    for m, n, kk in (
+        [(64, 4096, 7168), (64, 4096, 4096), (4096, 4096, 7168)] if not small else [(40, 64, 256)]
+    ):
         sets = []
-        for s in range(4):
+        for s in range(6 if m <= 64 else 4):  # at decode six sets of weights, so that repeats miss the L2
             a, a_s = quantize_act(jax.random.normal(jax.random.key(50 + s), (m, kk), f32))
             b, b_s = quantize_weight(jax.random.normal(jax.random.key(60 + s), (n, kk), f32))
             sets.append((a, a_s, b, b_s))

@@ -76,14 +76,17 @@ def with_timestamps(source: str, name: str, points: int) -> str:
 
 
 def decode_source():
-    """The FP8 decode default (k groups, split 2 summed in a cluster) with its points; (source, launch, names)."""
+    """The FP8 decode default (k groups, split 2 summed in a cluster by bulk copies) with its points; (source,
+    launch, names). The points inside `djax_push_sum` are not stamped (the shared array is the kernel's)."""
     from djax.kernels import fp8_gemm_tilelang as F
 
     t = F.default_ws_tiling(*DECODE)
+    if not t.push_sum:
+        raise NotImplementedError(f"the points are placed for the pushed cluster sum, not {t}")
     kps, turns = DECODE[2] // 128 // t.split_k, -(-(DECODE[2] // 128 // t.split_k) // t.k_groups)
     src, launch = F.lowered_on_disk("fp8_gemm_ws", (*DECODE, t), F.lower_ws, F.ws_sources(t))
     names = ["barrier_init_done", "producer_first_tma", "producer_last_tma", "group0_first_block",
-             "group0_last_block", "group0_summed", "group0_cluster_barrier", "group0_cluster_sum_done", "group0_end"]  # fmt: skip
+             "group0_last_block", "group0_staged", "group1_staged", "group0_end"]  # fmt: skip
     s = insert_after(src, "  tl::fence_barrier_init();\n  __syncthreads();\n", stamp(1))
     ring = t.stages - 1
     s = re.sub(
@@ -94,15 +97,15 @@ def decode_source():
     wait = re.search(r"        full\[\(\(i_2 & \d+\) \* 2\)\]\.wait\([^\n]*\n", s).group(0)
     s = insert_after(s, wait, f"if (threadIdx.x == 0) {{ if (i_2 == 0) djax_t[4] = clock64(); "
                      f"if (i_2 == {turns - 1}) djax_t[5] = clock64(); }}")  # fmt: skip
-    s = insert_after(s, "      summed[0].wait(0);\n", stamp(6))
-    s = insert_after(s, "      tl::cluster_arrive();\n      tl::cluster_wait();\n", stamp(7))
-    s = re.sub(
-        r"(      djax_cluster_sum<[^\n]*\n)",
-        r"\1      if (threadIdx.x == 0) djax_t[8] = clock64();\n",
-        s,
-        count=1,
-    )
-    s = insert_after(s, "      tl::cluster_arrive_relaxed();\n      tl::cluster_wait();\n", stamp(9))
+    # each group's call of the exchange, once its sum is staged (group 0's comes first in the source)
+    calls = re.findall(r"      djax_push_sum<[^\n]*\n", s)
+    if len(calls) != 2 or calls[0] != calls[1]:
+        raise NotImplementedError("unexpected calls of djax_push_sum in the lowered source")
+    first = s.index(calls[0])
+    second = s.index(calls[0], first + 1)
+    s = s[:second] + "      " + stamp(7, thread=128) + "\n" + s[second:]
+    stamped = f"      {stamp(6)}\n{calls[0]}      {stamp(8)}\n"
+    s = s[:first] + stamped + s[first + len(calls[0]) :]
     return with_timestamps(s, "decode", len(names)), launch, names
 
 

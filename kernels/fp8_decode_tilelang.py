@@ -13,6 +13,13 @@ bf16. No partials leave the chip and no second kernel runs.
 On the H200 the shorter chains did not make the split kernel's k loop faster (four groups were no better
 than two); what pays is the sum in the cluster, which replaces XLA's sum of f32 partials (NOTES.md).
 
+With `push_sum` no cluster barrier follows the k loop: the pulled sum needs a releasing one (its stores to
+shared memory must be visible to the peers' loads), and on the H200 that is a GPU-scope MEMBAR before every
+arrive and an L1 invalidation after every wait, about 1.2 us at the end of a 10 us kernel. Instead each
+split sends its values for the other splits' rows by bulk copy (the async proxy, ordered after the staging
+stores by a proxy fence and a barrier of the consumer threads), which completes bytes on the owner's
+mbarrier; a relaxed remote arrive back tells the sender that its staged values may go.
+
 TileLang writes the program (`decode_program`); the cluster shape and the cross-split sum are CUDA put into
 the lowered source (`with_cluster_sum`), as for the sparse decode's merge: TileLang 0.1.15 has no load from
 a peer's shared memory.
@@ -64,6 +71,92 @@ __device__ __forceinline__ void djax_cluster_sum(const bfloat16_t* out_ro, int m
 }
 """
 
+_PUSH_SUM = r"""
+// The pushed sum (`WsTiling.push_sum`), for all 128 KG consumer threads once consumer warpgroup g has staged
+// its 64 x BN accumulator at xs + g 64 BN (row-major, 8-column groups XOR-swizzled by (row & 3), as the reads
+// here). Split `rank` stores rows [rank R, (rank + 1) R); the other splits' values for them arrive in `recv`,
+// KG slots of R x BN per other split s (s in rank order, skipping this one), and complete `recv_bar`
+// (expecting them since the kernel's start). `done_bar` counts the other splits that have theirs.
+template <int SPLIT, int KG, int BN>
+__device__ __forceinline__ int djax_push_slot(int sender, int owner, int g) {
+  return ((sender < owner ? sender : sender - 1) * KG + g) * (64 / SPLIT) * BN;
+}
+
+template <int SPLIT, int KG, int BN>
+__device__ __forceinline__ void djax_push_sum(const bfloat16_t* out_ro, int m, int n, int col0, const float* xs,
+                                              const float* recv, Barrier& recv_bar, Barrier& done_bar, int rank,
+                                              int tid) {
+  // TileLang declares the output const: this function is the only writer it does not see
+  bfloat16_t* out = const_cast<bfloat16_t*>(out_ro);
+  constexpr int R = 64 / SPLIT, THREADS = 128 * KG, ITEMS = R * BN / 4, ITERS = (ITEMS + THREADS - 1) / THREADS;
+  asm volatile("fence.proxy.async.shared::cta;" ::: "memory");  // the staging stores, to the bulk copies
+  asm volatile("bar.sync 11, %0;" ::"n"(THREADS) : "memory");
+  uint32_t xs_s = (uint32_t)__cvta_generic_to_shared(xs), recv_s = (uint32_t)__cvta_generic_to_shared(recv);
+  if (tid == 0) {
+    uint32_t bar = (uint32_t)__cvta_generic_to_shared(&recv_bar);
+#pragma unroll
+    for (int o = 0; o < SPLIT; ++o) {
+      if (o == rank) continue;
+      uint32_t remote_bar;
+      asm volatile("mapa.shared::cluster.u32 %0, %1, %2;" : "=r"(remote_bar) : "r"(bar), "r"(o));
+#pragma unroll
+      for (int g = 0; g < KG; ++g) {
+        uint32_t src = xs_s + (uint32_t)((g * 64 + o * R) * BN * 4), remote_dst;
+        uint32_t dst = recv_s + (uint32_t)(djax_push_slot<SPLIT, KG, BN>(rank, o, g) * 4);
+        asm volatile("mapa.shared::cluster.u32 %0, %1, %2;" : "=r"(remote_dst) : "r"(dst), "r"(o));
+        asm volatile(
+            "cp.async.bulk.shared::cluster.shared::cta.mbarrier::complete_tx::bytes [%0], [%1], %2, [%3];"
+            ::"r"(remote_dst), "r"(src), "n"(R * BN * 4), "r"(remote_bar) : "memory");
+      }
+    }
+  }
+  recv_bar.wait(0);
+  float4 v[ITERS][SPLIT * KG];  // every value of a thread's items loaded before any is added
+#pragma unroll
+  for (int it = 0; it < ITERS; ++it) {
+    int i = tid + it * THREADS;
+    if (i < ITEMS) {
+      int rr = i / (BN / 4), at = rr * BN + (((i % (BN / 4)) * 4) ^ ((rr & 3) << 3));
+#pragma unroll
+      for (int g = 0; g < KG; ++g) {
+        v[it][g] = *reinterpret_cast<const float4*>(xs + g * 64 * BN + rank * R * BN + at);
+      }
+#pragma unroll
+      for (int j = KG; j < SPLIT * KG; ++j) {  // the received slots, in their order
+        v[it][j] = *reinterpret_cast<const float4*>(recv + (j - KG) * R * BN + at);
+      }
+    }
+  }
+#pragma unroll
+  for (int it = 0; it < ITERS; ++it) {
+    int i = tid + it * THREADS;
+    int r = rank * R + i / (BN / 4), c = (i % (BN / 4)) * 4;
+    if (i < ITEMS && r < m) {
+      float4 a = v[it][0];
+#pragma unroll
+      for (int j = 1; j < SPLIT * KG; ++j) {
+        a.x += v[it][j].x; a.y += v[it][j].y; a.z += v[it][j].z; a.w += v[it][j].w;
+      }
+      bfloat16_t o[4] = {bfloat16_t(a.x), bfloat16_t(a.y), bfloat16_t(a.z), bfloat16_t(a.w)};
+      *reinterpret_cast<uint2*>(out + (size_t)r * n + col0 + c) = *reinterpret_cast<const uint2*>(o);
+    }
+  }
+  // this split's bytes have all landed, so its copies out of the other splits' `xs` are done: tell them; and
+  // keep this CTA (its `xs`) until every other split has told it the same
+  if (tid == 0) {
+    uint32_t bar = (uint32_t)__cvta_generic_to_shared(&done_bar);
+#pragma unroll
+    for (int o = 0; o < SPLIT; ++o) {
+      if (o == rank) continue;
+      uint32_t remote_bar;
+      asm volatile("mapa.shared::cluster.u32 %0, %1, %2;" : "=r"(remote_bar) : "r"(bar), "r"(o));
+      asm volatile("mbarrier.arrive.relaxed.cluster.shared::cluster.b64 _, [%0];" ::"r"(remote_bar) : "memory");
+    }
+    done_bar.wait(0);
+  }
+}
+"""
+
 
 def consumer_registers(k_groups: int) -> int:
     """Registers a consumer thread may take (setmaxnreg) once the producer is down to 40. ptxas gives every
@@ -101,6 +194,8 @@ def decode_program(m: int, n: int, k: int, tiling):
     producer = 128 * kg  # first thread of the producer warpgroup
     fp8, f32 = "float8_e4m3fn", "float32"
     consumer_regs = consumer_registers(kg)
+    push = tiling.push_sum
+    rows = 64 // split  # rows of the tile each split stores
 
     @T.macro
     def produce(A, B, a_s, b_s, full, empty, bx, bz):
@@ -134,44 +229,79 @@ def decode_program(m: int, n: int, k: int, tiling):
                     acc[r, c] += part[r, c] * scale[r]
 
     @T.macro
+    def push_end(C, sums, xfer, bars, bx, bz, tx, g, acc):
+        """Consumer warpgroup g's end with the pushed sum: its accumulator staged in `sums` (every group's,
+        in turn; `xfer` receives the other splits' values, completing bars[0]; bars[1] counts the other
+        splits done with this one's), then `djax_push_sum` with every consumer thread. The split is
+        blockIdx.z (the cluster spans z), not the cluster-rank register, which TileLang reads at every use."""
+        for r, c in T.Parallel(64, bn):
+            sums[g * 64 * bn + r * bn + T.bitwise_xor(c, (r & 3) * 8)] = acc[r, c]
+        T.call_extern(
+            "handle",
+            f"djax_push_sum<{split}, {kg}, {bn}>",
+            C.data,
+            m,
+            n,
+            bx * bn,
+            T.address_of(sums[0]),
+            T.address_of(xfer[0]),
+            bars[0],
+            bars[1],
+            bz,
+            tx,
+        )
+
+    @T.macro
     def consumer(
         AS, BS, C, a_s, b_s, sa, sb, sums, xfer, full, empty, summed, bx, bz, tx, g, part, acc, scale
     ):
         """Consumer warpgroup g: its k blocks, then its share of the sums and, for group 0, the store."""
         T.set_max_nreg(consumer_regs, 1)
-        consume(AS, BS, a_s, b_s, sa, sb, full, empty, bx, bz, g, part, acc, scale)
-        if g > 0:
-            T.copy(acc, sums[g - 1, :, :])
-            T.barrier_arrive(summed)
-        else:
-            T.barrier_wait(summed, 0)
-            for r, c in T.Parallel(64, bn):
-                for h in T.unroll(kg - 1):
-                    acc[r, c] += sums[h, r, c]
-            if split == 1:
-                T.copy(acc, C[0, bx * bn])  # rows past m are not stored
-            else:
-                for r, c in T.Parallel(64, bn):
-                    xfer[r * bn + c] = acc[r, c]
-        if split > 1:
-            T.cluster_arrive()  # release: this split's sum, to the cluster
-            T.cluster_wait()  # acquire: every split's
-            # every consumer warpgroup takes a share of the rows (tx counts the consumer threads from 0)
-            T.call_extern(
-                "handle",
-                f"djax_cluster_sum<{split}, {bn}, {128 * kg}>",
-                C.data,
-                m,
-                n,
-                bx * bn,
-                T.address_of(xfer[0]),
-                T.block_rank_in_cluster(),
-                tx,
-            )
-            # relaxed: this barrier only keeps the CTA's shared memory alive until the peers have read it,
-            # and a release here would first wait until the bf16 stores above reach global memory
+        if push:
+            if g == 0:  # the bytes the other splits will send here
+                if tx == 0:
+                    T.mbarrier_arrive_expect_tx(summed[0], (split - 1) * kg * rows * bn * 4)
+            # every CTA's barriers initialised (TileLang's fence.mbarrier_init.release.cluster, then these
+            # relaxed arrives) before any split sends to them; waited for after the k loop. Waited for here,
+            # ahead of the scale loads, it made the whole k loop about 0.9 us slower on the H200 (NOTES.md)
             T.cluster_arrive_relaxed()
+        consume(AS, BS, a_s, b_s, sa, sb, full, empty, bx, bz, g, part, acc, scale)
+        if push:
             T.cluster_wait()
+            push_end(C, sums, xfer, summed, bx, bz, tx, g, acc)
+        else:
+            if g > 0:
+                T.copy(acc, sums[g - 1, :, :])
+                T.barrier_arrive(summed)
+            else:
+                T.barrier_wait(summed, 0)
+                for r, c in T.Parallel(64, bn):
+                    for h in T.unroll(kg - 1):
+                        acc[r, c] += sums[h, r, c]
+                if split == 1:
+                    T.copy(acc, C[0, bx * bn])  # rows past m are not stored
+                else:
+                    for r, c in T.Parallel(64, bn):
+                        xfer[r * bn + c] = acc[r, c]
+            if split > 1:
+                T.cluster_arrive()  # release: this split's sum, to the cluster
+                T.cluster_wait()  # acquire: every split's
+                # every consumer warpgroup takes a share of the rows (tx counts the consumer threads from 0)
+                T.call_extern(
+                    "handle",
+                    f"djax_cluster_sum<{split}, {bn}, {128 * kg}>",
+                    C.data,
+                    m,
+                    n,
+                    bx * bn,
+                    T.address_of(xfer[0]),
+                    T.block_rank_in_cluster(),
+                    tx,
+                )
+                # relaxed: this barrier only keeps the CTA's shared memory alive until the peers have read it,
+                # and a release here would first wait until the bf16 stores above reach global memory
+                T.cluster_arrive_relaxed()
+                T.cluster_wait()
 
     @T.macro
     def group(bufs, g, part, acc, scale):
@@ -182,8 +312,12 @@ def decode_program(m: int, n: int, k: int, tiling):
     @T.macro
     def produce_all(A, B, a_s, b_s, full, empty, bx, bz):
         T.set_max_nreg(40, 0)
+        if push:  # every thread of the cluster meets at the one cluster barrier (see consumer)
+            T.cluster_arrive_relaxed()
         produce(A, B, a_s, b_s, full, empty, bx, bz)
-        if split > 1:  # every thread of the cluster meets at both cluster barriers
+        if push:
+            T.cluster_wait()
+        elif split > 1:  # every thread of the cluster meets at both cluster barriers
             T.cluster_arrive()
             T.cluster_wait()
             T.cluster_arrive_relaxed()
@@ -198,12 +332,19 @@ def decode_program(m: int, n: int, k: int, tiling):
             b_s = T.alloc_shared((ns, bn, BLOCK), fp8)
             sa = T.alloc_shared((kg, turns, 64), f32)  # each group's activation scales, per turn and row
             sb = T.alloc_shared((kg, turns), f32)  # and weight scales, per turn
-            sums = T.alloc_shared((kg - 1, 64, bn), f32)  # groups 1..: their accumulators, for group 0
-            # the split's sum, row-major, read by the cluster
-            xfer = T.alloc_shared((64 * bn,), f32) if split > 1 else None
             full = T.alloc_barrier([128] * ns)  # the producer's 128 threads
             empty = T.alloc_barrier([128] * ns)  # the consumer warpgroup that took the block
-            summed = T.alloc_barrier(128 * (kg - 1))  # groups 1.. have written `sums`
+            if push:
+                sums = T.alloc_shared((kg * 64 * bn,), f32)  # every group's accumulator, swizzled
+                xfer = T.alloc_shared(((split - 1) * kg * rows * bn,), f32)  # the other splits' values
+                # the other splits' values have landed (its arrival: the expectation of their bytes); the
+                # other splits have theirs
+                summed = T.alloc_barrier([1, split - 1])
+            else:
+                sums = T.alloc_shared((kg - 1, 64, bn), f32)  # groups 1..: their accumulators, for group 0
+                # the split's sum, row-major, read by the cluster
+                xfer = T.alloc_shared((64 * bn,), f32) if split > 1 else None
+                summed = T.alloc_barrier(128 * (kg - 1))  # groups 1.. have written `sums`
             # one set of registers per consumer warpgroup (each is laid out for its own 128 threads)
             p0, p1, p2, p3 = (T.alloc_fragment((64, bn), f32) for _ in range(4))
             c0, c1, c2, c3 = (T.alloc_fragment((64, bn), f32) for _ in range(4))
@@ -225,7 +366,7 @@ def decode_program(m: int, n: int, k: int, tiling):
     return fp8_gemm
 
 
-def with_cluster_sum(source: str, name: str, split: int) -> str:
-    """The lowered source with the cluster shape (1, 1, split) declared on the kernel and `djax_cluster_sum`
-    ahead of it."""
-    return with_device_code(with_cluster(source, name, (1, 1, split)), _CLUSTER_SUM)
+def with_cluster_sum(source: str, name: str, split: int, push: bool = False) -> str:
+    """The lowered source with the cluster shape (1, 1, split) declared on the kernel and the cluster sum's
+    device code (`djax_cluster_sum`, or with `push` `djax_push_sum`) ahead of it."""
+    return with_device_code(with_cluster(source, name, (1, 1, split)), _PUSH_SUM if push else _CLUSTER_SUM)

@@ -96,7 +96,13 @@ class WsTiling:
 
     `early_store` (two 128-column slices a warpgroup, no split): the first slice's TMA store is issued as
     soon as that slice is staged, under the second slice's staging, and one wait covers both stores
-    (`with_early_store`)."""
+    (`with_early_store`).
+
+    `push_sum` (k_groups > 1 with a split of k): the cluster's sum is pushed, not pulled. Every consumer
+    warpgroup stages its accumulator in its own shared memory and one thread sends each other split the
+    rows it stores by bulk copy into that split's shared memory, completing bytes on its mbarrier; the
+    owner's consumer threads add all warpgroups' and splits' values and store bf16. No cluster barrier
+    follows the k loop (`fp8_decode_tilelang`)."""
 
     block_m: int
     block_n: int
@@ -108,6 +114,7 @@ class WsTiling:
     k_groups: int = 1
     scales_ahead: bool = False
     early_store: bool = False
+    push_sum: bool = False
 
     @property
     def consumer_wgs(self) -> int:
@@ -143,6 +150,7 @@ class WsTiling:
         tail += f"_g{self.k_groups}" if self.k_groups > 1 else ""
         tail += "_sa" if self.scales_ahead else ""
         tail += "_es" if self.early_store else ""
+        tail += "_ps" if self.push_sum else ""
         return f"ws{self.block_m}x{self.block_n}s{self.stages}{tail}"
 
 
@@ -162,11 +170,12 @@ MEASURED_WS_BEST = {
     # 4096^3; at k 7168 it was 0.4-0.9% slower every time, so not taken there
     ("prefill", 4096, 4096): WsTiling(128, 256, 3, panel=8, scales_ahead=True, early_store=True),
     ("decode", 16384, 7168): WsTiling(64, 128, 8, smem_scales=True),  # 32.2 us
-    # two consumer warpgroups over k, the 2 splits summed in their cluster: 11.99 us against 12.82 for the
-    # former best (64x64, split 2, scales in shared memory, XLA's sum after) in the same run; 11.53-11.55
-    # since the cluster's sum changed (tilelang_fp8_gemm_h200_decode_cluster_sum_ab.json)
-    ("decode", 4096, 7168): WsTiling(64, 64, 8, split_k=2, k_groups=2),
-    ("decode", 4096, 4096): WsTiling(64, 64, 6, split_k=2),  # 8.75 us
+    # two consumer warpgroups over k, the 2 splits summed in their cluster, the sum pushed by bulk copy:
+    # 11.27-11.38 us against 11.46-11.60 pulled (tilelang_fp8_gemm_h200_decode_push3_ab.json), which was
+    # 11.99 us against 12.82 for the split summed by XLA after the kernel
+    ("decode", 4096, 7168): WsTiling(64, 64, 8, split_k=2, k_groups=2, push_sum=True),
+    # the same: 8.03-8.12 us against 8.86-8.94 for 64x64 split 2 summed by XLA and 8.17-8.46 pulled
+    ("decode", 4096, 4096): WsTiling(64, 64, 8, split_k=2, k_groups=2, push_sum=True),
     ("decode", 7168, 4096): WsTiling(64, 128, 8, smem_scales=True),  # 13.9 us
 }
 
@@ -227,6 +236,8 @@ WS_VARIANTS = {  # tilings worth timing (measured best first, then the newer one
         WsTiling(64, 64, 8, split_k=2, k_groups=4),
         WsTiling(64, 32, 8, k_groups=4),
         WsTiling(64, 128, 6, k_groups=2),
+        # the cluster's sum pushed by bulk copy into the owners' shared memory (no cluster barrier at the end)
+        WsTiling(64, 64, 8, split_k=2, k_groups=2, push_sum=True),
     ),
 }
 
@@ -312,6 +323,8 @@ def check_ws_tiling(m: int, n: int, k: int, tiling: WsTiling) -> None:
             )
         if not 2 <= t.k_groups <= 4 or t.split_k not in (1, 2, 4):
             raise ValueError(f"k_groups must be 2-4 and split_k 1, 2 or 4 (a cluster): {t}")
+        if t.push_sum and t.split_k == 1:
+            raise ValueError(f"push_sum sums the splits of a cluster: it needs split_k 2 or 4: {t}")
         if t.stages % t.k_groups:
             # every ring buffer must belong to one group: a group waiting on a buffer's next phase while
             # another group's phase of it is still pending would pass the parity wait at once (H200: a
@@ -324,7 +337,10 @@ def check_ws_tiling(m: int, n: int, k: int, tiling: WsTiling) -> None:
         if t.block_n + 40 > consumer_registers(t.k_groups):  # accumulator + partial, 64 x block_n f32 each
             raise ValueError(f"{t}: a consumer's registers do not hold two 64x{t.block_n} f32 tiles")
         ring = t.stages * (64 + t.block_n) * BLOCK
-        sums = 4 * 64 * t.block_n * (t.k_groups - (t.split_k == 1))  # other groups' sums, the split's
+        if t.push_sum:  # every group's accumulator staged, and the other splits' values for this one's rows
+            sums = 4 * 64 * t.block_n * t.k_groups * (1 + (t.split_k - 1) / t.split_k)
+        else:  # other groups' sums, the split's
+            sums = 4 * 64 * t.block_n * (t.k_groups - (t.split_k == 1))
         scales = 4 * 65 * t.k_groups * -(-(k // BLOCK // t.split_k) // t.k_groups)
         need = ring + sums + scales
         if need > 227 * 1024:
@@ -347,6 +363,8 @@ def check_ws_tiling(m: int, n: int, k: int, tiling: WsTiling) -> None:
         )
     if (k // BLOCK) % tiling.split_k:
         raise ValueError(f"split_k={tiling.split_k} does not divide the {k // BLOCK} k blocks")
+    if tiling.push_sum:
+        raise ValueError(f"push_sum is for the k-group decode program (k_groups > 1): {tiling}")
     if tiling.early_store and (tiling.slices != 2 or tiling.split_k > 1 or not tiling.by_rows):
         raise ValueError(f"early_store needs two 128-column slices per warpgroup and no split of k: {tiling}")
     if tiling.smem_scales and (k // BLOCK) % 4:
@@ -563,7 +581,7 @@ def lower_ws(m: int, n: int, k: int, tiling: WsTiling | None = None) -> tuple[st
     if tiling.sums_in_cluster:
         from djax.kernels.fp8_decode_tilelang import with_cluster_sum
 
-        source = with_cluster_sum(source, launch["name"], tiling.split_k)
+        source = with_cluster_sum(source, launch["name"], tiling.split_k, tiling.push_sum)
     if tiling.early_store:
         source = with_early_store(source)
     return source, {**launch, "params": params_from_tilelang(fn, host_fn, _PARAMS)}

@@ -242,10 +242,24 @@ def test_ws_k_groups_lower(tiling, m):
     assert src.count("__syncthreads()") == 1  # after the barriers' init, before the roles split
     clustered = tiling.split_k > 1
     assert (f"__cluster_dims__(1, 1, {tiling.split_k})" in src) == clustered
-    # every consumer warpgroup takes a share of the cluster sum; the last barrier does not wait for its stores
-    sums = f"djax_cluster_sum<{tiling.split_k}, {tiling.block_n}, {128 * tiling.k_groups}>(C,"
-    assert src.count(sums) == (tiling.k_groups if clustered else 0)
-    assert src.count("tl::cluster_arrive_relaxed();") == (tiling.k_groups + 1 if clustered else 0)
+    if tiling.push_sum:
+        # every consumer warpgroup stages its sum and joins djax_push_sum, which sends the other splits' rows in
+        # bulk copies completing their mbarrier (expecting every other split's warpgroups' bytes); one
+        # cluster barrier only, relaxed, at the start (the barriers' init), and no releasing arrive anywhere
+        push = f"djax_push_sum<{tiling.split_k}, {tiling.k_groups}, {tiling.block_n}>(C,"
+        assert src.count(push) == tiling.k_groups and "djax_cluster_sum<" not in src
+        rows, slots = 64 // tiling.split_k, (tiling.split_k - 1) * tiling.k_groups
+        assert f"summed[0].arrive_and_expect_tx({slots * rows * tiling.block_n * 4});" in src
+        assert "cp.async.bulk.shared::cluster.shared::cta.mbarrier::complete_tx::bytes" in src
+        assert "mbarrier.arrive.relaxed.cluster.shared::cluster.b64" in src
+        assert src.count("tl::cluster_arrive_relaxed();") == tiling.k_groups + 1
+        assert src.count("tl::cluster_wait();") == tiling.k_groups + 1 and "tl::cluster_arrive();" not in src
+    else:
+        # every consumer warpgroup takes a share of the cluster sum; the last barrier does not wait for its
+        # stores
+        sums = f"djax_cluster_sum<{tiling.split_k}, {tiling.block_n}, {128 * tiling.k_groups}>(C,"
+        assert src.count(sums) == (tiling.k_groups if clustered else 0)
+        assert src.count("tl::cluster_arrive_relaxed();") == (tiling.k_groups + 1 if clustered else 0)
     assert src.count("warpgroup_reg_alloc") == tiling.k_groups
     maps = {p.buffer: p for p in launch["params"] if isinstance(p, tma.TensorMap)}
     assert sorted(maps) == [0, 2] and 4 in launch["params"]  # A, B by TMA; the bf16 result a pointer
@@ -319,6 +333,13 @@ def test_ws_tiling_validation_and_defaults():
     with pytest.raises(ValueError, match="m <= 64"):
         check_ws_tiling(65, 4096, 7168, WsTiling(64, 64, 8, k_groups=2))
     assert WsTiling(64, 64, 8, split_k=2, k_groups=4).name == "ws64x64s8_k2_g4"
+    with pytest.raises(ValueError, match="push_sum"):  # nothing to push without a split
+        check_ws_tiling(64, 4096, 7168, WsTiling(64, 64, 8, k_groups=2, push_sum=True))
+    with pytest.raises(ValueError, match="push_sum"):  # only the k-group program has a cluster sum
+        check_ws_tiling(64, 4096, 7168, WsTiling(64, 64, 8, split_k=2, push_sum=True))
+    with pytest.raises(ValueError, match="shared memory"):  # 128 KB ring + 64 KB staged + 32 KB received
+        check_ws_tiling(64, 4096, 7168, WsTiling(64, 64, 8, split_k=2, k_groups=4, push_sum=True))
+    assert WsTiling(64, 64, 8, split_k=2, k_groups=2, push_sum=True).name == "ws64x64s8_k2_g2_ps"
     assert WsTiling(128, 256, 3, 8, scales_ahead=True).name == "ws128x256s3_p8_sa"
     with pytest.raises(ValueError, match="scales_ahead"):  # the scales come from one place
         check_ws_tiling(4096, 4096, 4096, WsTiling(128, 256, 3, smem_scales=True, scales_ahead=True))
