@@ -110,8 +110,8 @@ __device__ __forceinline__ void djax_push_sum(const bfloat16_t* out_ro, int m, i
       }
     }
   }
-  recv_bar.wait(0);
   float4 v[ITERS][SPLIT * KG];  // every value of a thread's items loaded before any is added
+  // this split's own values first: they are in its shared memory already
 #pragma unroll
   for (int it = 0; it < ITERS; ++it) {
     int i = tid + it * THREADS;
@@ -121,6 +121,26 @@ __device__ __forceinline__ void djax_push_sum(const bfloat16_t* out_ro, int m, i
       for (int g = 0; g < KG; ++g) {
         v[it][g] = *reinterpret_cast<const float4*>(xs + g * 64 * BN + rank * R * BN + at);
       }
+    }
+  }
+  recv_bar.wait(0);
+  // this split's bytes have all landed, so its copies out of the other splits' `xs` are done: tell them now,
+  // while this split adds and stores
+  if (tid == 0) {
+    uint32_t bar = (uint32_t)__cvta_generic_to_shared(&done_bar);
+#pragma unroll
+    for (int o = 0; o < SPLIT; ++o) {
+      if (o == rank) continue;
+      uint32_t remote_bar;
+      asm volatile("mapa.shared::cluster.u32 %0, %1, %2;" : "=r"(remote_bar) : "r"(bar), "r"(o));
+      asm volatile("mbarrier.arrive.relaxed.cluster.shared::cluster.b64 _, [%0];" ::"r"(remote_bar) : "memory");
+    }
+  }
+#pragma unroll
+  for (int it = 0; it < ITERS; ++it) {
+    int i = tid + it * THREADS;
+    if (i < ITEMS) {
+      int rr = i / (BN / 4), at = rr * BN + (((i % (BN / 4)) * 4) ^ ((rr & 3) << 3));
 #pragma unroll
       for (int j = KG; j < SPLIT * KG; ++j) {  // the received slots, in their order
         v[it][j] = *reinterpret_cast<const float4*>(recv + (j - KG) * R * BN + at);
@@ -141,19 +161,8 @@ __device__ __forceinline__ void djax_push_sum(const bfloat16_t* out_ro, int m, i
       *reinterpret_cast<uint2*>(out + (size_t)r * n + col0 + c) = *reinterpret_cast<const uint2*>(o);
     }
   }
-  // this split's bytes have all landed, so its copies out of the other splits' `xs` are done: tell them; and
-  // keep this CTA (its `xs`) until every other split has told it the same
-  if (tid == 0) {
-    uint32_t bar = (uint32_t)__cvta_generic_to_shared(&done_bar);
-#pragma unroll
-    for (int o = 0; o < SPLIT; ++o) {
-      if (o == rank) continue;
-      uint32_t remote_bar;
-      asm volatile("mapa.shared::cluster.u32 %0, %1, %2;" : "=r"(remote_bar) : "r"(bar), "r"(o));
-      asm volatile("mbarrier.arrive.relaxed.cluster.shared::cluster.b64 _, [%0];" ::"r"(remote_bar) : "memory");
-    }
-    done_bar.wait(0);
-  }
+  // keep this CTA (its `xs`) until every other split has its bytes
+  if (tid == 0) done_bar.wait(0);
 }
 """
 

@@ -171,10 +171,11 @@ MEASURED_WS_BEST = {
     ("prefill", 4096, 4096): WsTiling(128, 256, 3, panel=8, scales_ahead=True, early_store=True),
     ("decode", 16384, 7168): WsTiling(64, 128, 8, smem_scales=True),  # 32.2 us
     # two consumer warpgroups over k, the 2 splits summed in their cluster, the sum pushed by bulk copy:
-    # 11.27-11.38 us against 11.46-11.60 pulled (tilelang_fp8_gemm_h200_decode_push3_ab.json), which was
-    # 11.99 us against 12.82 for the split summed by XLA after the kernel
+    # 11.27-11.38 us against 11.46-11.60 pulled (tilelang_fp8_gemm_h200_decode_push3_ab.json; with the early
+    # arrive, a tie, _push_early_ab.json), which was 11.99 us against 12.82 for the split summed by XLA after
     ("decode", 4096, 7168): WsTiling(64, 64, 8, split_k=2, k_groups=2, push_sum=True),
-    # the same: 8.03-8.12 us against 8.86-8.94 for 64x64 split 2 summed by XLA and 8.17-8.46 pulled
+    # the same: 8.03-8.12 us against 8.86-8.94 for 64x64 split 2 summed by XLA and 8.17-8.46 pulled; with the
+    # early arrive 7.99-8.19 against 8.10-8.27
     ("decode", 4096, 4096): WsTiling(64, 64, 8, split_k=2, k_groups=2, push_sum=True),
     ("decode", 7168, 4096): WsTiling(64, 128, 8, smem_scales=True),  # 13.9 us
 }

@@ -1,0 +1,287 @@
+#!/usr/bin/env python3
+"""How fast one CTA per SM can gather rows of 1 KB into shared memory: the sparse decode attention's key loads.
+
+python benchmarks/bench_gather.py [--out DIR] [--build]   (CUDA GPU, nvcc; --build compiles only)
+
+128 CTAs (batch 64 with 2 splits) each gather 5 blocks of 64 random rows of 512 bf16 (1 KB, the key width)
+from a 128 MB pool (64 rows' regions of 2,048 entries, as the compressed cache) into a ring of 64 KB stages,
+a consumer warpgroup reading each block once and freeing its stage. Ways of loading a block:
+- `cp_async`: 4,096 copies of 16 bytes by the 128 producer threads into the 128-byte-swizzled K-major layout
+  wgmma reads (the attention kernel's way), 2 or 3 stages;
+- `tma_box`: one TMA tensor copy per 128 bytes (a 64 x 1 box, 128-byte swizzle), 512 per block, landing in
+  the same layout: TMA swizzles by the destination's shared-memory address, so a one-row box at row r of an
+  8-row atom lands where wgmma expects it (the layout is checked);
+- `bulk`: one bulk copy of 1 KB per row (cp.async.bulk), linear rows, 2 or 3 stages: wgmma cannot read that
+  layout, so a kernel would still have to rearrange it in shared memory.
+CTA 0's last block is compared with the layout expected from the pool. Time: the first CTA's start to the
+last CTA's end (%globaltimer), median of 25 launches over alternating pools and index sets; bytes are the
+rows gathered. Writes gather.json (and gather.png) under --out.
+"""
+
+import argparse
+import datetime
+import hashlib
+import json
+import os
+import subprocess
+import sys
+import tempfile
+
+import numpy as np
+
+CTAS, BLOCKS, ROW_ELEMS, REGION = 128, 5, 512, 2048
+STAGE_BYTES = 64 * ROW_ELEMS * 2
+VARIANTS = {  # kernel name: (mode, stages); mode 0 cp.async, 1 one TMA box per 128 bytes, 2 a bulk copy per row
+    "cp_async": (0, 2),
+    "cp_async_3_stages": (0, 3),
+    "tma_box": (1, 2),
+    "bulk": (2, 2),
+    "bulk_3_stages": (2, 3),
+}
+
+SOURCE = r"""
+#include <cstdint>
+#include <cuda.h>
+#define BLOCKS 5
+#define STAGE_BYTES 65536
+
+__device__ __forceinline__ uint32_t smem(const void* p) { return (uint32_t)__cvta_generic_to_shared(p); }
+__device__ __forceinline__ long long gtime() {
+  long long t;
+  asm volatile("mov.u64 %0, %%globaltimer;" : "=l"(t));
+  return t;
+}
+__device__ __forceinline__ void bar_init(uint64_t* b, int n) {
+  asm volatile("mbarrier.init.shared.b64 [%0], %1;" ::"r"(smem(b)), "r"(n));
+}
+__device__ __forceinline__ void bar_wait(uint64_t* b, int parity) {
+  asm volatile("{\n .reg .pred p;\n W: mbarrier.try_wait.parity.shared::cta.b64 p, [%0], %1;\n @!p bra W;\n}"
+               ::"r"(smem(b)), "r"(parity) : "memory");
+}
+__device__ __forceinline__ void bar_arrive(uint64_t* b) {
+  asm volatile("mbarrier.arrive.shared::cta.b64 _, [%0];" ::"r"(smem(b)) : "memory");
+}
+__device__ __forceinline__ void bar_expect(uint64_t* b, int bytes) {
+  asm volatile("mbarrier.arrive.expect_tx.shared::cta.b64 _, [%0], %1;" ::"r"(smem(b)), "r"(bytes) : "memory");
+}
+
+// Threads 128-255 load, 0-127 read each block (a checksum) and free its stage. Stage layout for modes 0 and 1:
+// 8 chunks of 64 columns, each 64 rows x 128 bytes, 16-byte units XOR-swizzled by (row & 7); mode 2: 64 rows of
+// 1 KB.
+template <int MODE, int STAGES>
+__device__ __forceinline__ void gather(const CUtensorMap* desc, const uint16_t* pool, const int* idx, unsigned* sums,
+                                       long long* times, uint16_t* dump) {
+  extern __shared__ __align__(1024) unsigned char buf[];
+  __shared__ __align__(8) uint64_t full[STAGES], empty[STAGES];
+  int tid = threadIdx.x, bid = blockIdx.x;
+  if (tid == 0) {
+    times[2 * bid] = gtime();
+    for (int s = 0; s < STAGES; ++s) {
+      bar_init(&full[s], MODE ? 1 : 128);
+      bar_init(&empty[s], 128);
+    }
+    asm volatile("fence.mbarrier_init.release.cluster;" ::: "memory");
+    if (MODE == 1) asm volatile("prefetch.tensormap [%0];" ::"l"(desc) : "memory");
+  }
+  __syncthreads();
+  const int* rows = idx + bid * BLOCKS * 64;
+  if (tid >= 128) {
+    int p = tid - 128;
+    for (int g = 0; g < BLOCKS; ++g) {
+      int st = g % STAGES;
+      bar_wait(&empty[st], ((g / STAGES) & 1) ^ 1);
+      uint32_t base = smem(buf) + st * STAGE_BYTES;
+      if (MODE == 2) {
+        if (p == 0) bar_expect(&full[st], STAGE_BYTES);
+        if (p < 64) {
+          asm volatile("cp.async.bulk.shared::cluster.global.mbarrier::complete_tx::bytes [%0], [%1], 1024, [%2];"
+                       ::"r"(base + p * 1024), "l"(pool + (size_t)rows[g * 64 + p] * 512), "r"(smem(&full[st]))
+                       : "memory");
+        }
+      } else if (MODE == 1) {
+        if (p == 0) bar_expect(&full[st], STAGE_BYTES);
+#pragma unroll
+        for (int q = 0; q < 4; ++q) {
+          int i = q * 128 + p, r = i / 8, c = i % 8;
+          asm volatile(
+              "cp.async.bulk.tensor.2d.shared::cluster.global.tile.mbarrier::complete_tx::bytes [%0], [%1, {%2, %3}], [%4];"
+              ::"r"(base + c * 8192 + r * 128), "l"(desc), "r"(c * 64), "r"(rows[g * 64 + r]), "r"(smem(&full[st]))
+              : "memory");
+        }
+      } else {
+#pragma unroll 8
+        for (int q = 0; q < 32; ++q) {
+          int i = q * 128 + p, r = i / 64, u = i % 64, c = u / 8, j = u % 8;
+          uint32_t dst = base + c * 8192 + r * 128 + ((j ^ (r & 7)) * 16);
+          asm volatile("cp.async.cg.shared.global [%0], [%1], 16;"
+                       ::"r"(dst), "l"(pool + (size_t)rows[g * 64 + r] * 512 + u * 8) : "memory");
+        }
+        asm volatile("cp.async.mbarrier.arrive.noinc.shared.b64 [%0];" ::"r"(smem(&full[st])) : "memory");
+      }
+    }
+  } else {
+    unsigned acc = 0;
+    for (int g = 0; g < BLOCKS; ++g) {
+      int st = g % STAGES;
+      bar_wait(&full[st], (g / STAGES) & 1);
+      const uint4* v = reinterpret_cast<const uint4*>(buf + st * STAGE_BYTES);
+#pragma unroll 4
+      for (int q = 0; q < 32; ++q) {
+        uint4 x = v[q * 128 + tid];
+        acc += x.x ^ x.y ^ x.z ^ x.w;
+      }
+      if (g == BLOCKS - 1 && bid == 0) {
+        const uint16_t* s16 = reinterpret_cast<const uint16_t*>(buf + st * STAGE_BYTES);
+        for (int q = tid; q < STAGE_BYTES / 2; q += 128) dump[q] = s16[q];
+      }
+      bar_arrive(&empty[st]);
+    }
+    sums[bid * 128 + tid] = acc;
+    asm volatile("bar.sync 1, 128;" ::: "memory");
+    if (tid == 0) times[2 * bid + 1] = gtime();
+  }
+}
+
+#define GATHER(name, mode, stages)                                                                          \
+  extern "C" __global__ void __launch_bounds__(256, 1) name(const CUtensorMap __grid_constant__ desc,      \
+      const uint16_t* pool, const int* idx, unsigned* sums, long long* times, uint16_t* dump) {            \
+    gather<mode, stages>(&desc, pool, idx, sums, times, dump);                                              \
+  }
+GATHER(cp_async, 0, 2)
+GATHER(cp_async_3_stages, 0, 3)
+GATHER(tma_box, 1, 2)
+GATHER(bulk, 2, 2)
+GATHER(bulk_3_stages, 2, 3)
+"""
+
+
+def compile_cubin() -> bytes:
+    from djax.kernels.dispatch import nvcc_path
+
+    nvcc = nvcc_path()
+    if nvcc is None:
+        raise RuntimeError("nvcc not found: set CUDA_HOME")
+    with tempfile.TemporaryDirectory() as tmp:
+        src, out = os.path.join(tmp, "gather.cu"), os.path.join(tmp, "gather.cubin")
+        with open(src, "w") as f:
+            f.write(SOURCE)
+        run = subprocess.run(
+            [nvcc, "-cubin", "-arch=sm_90a", "-O3", src, "-o", out], capture_output=True, text=True
+        )
+        if run.returncode:
+            raise RuntimeError(f"nvcc failed:\n{run.stderr[-3000:]}")
+        with open(out, "rb") as f:
+            return f.read()
+
+
+def swizzled(block: np.ndarray) -> np.ndarray:
+    """64 rows of 512 values as the attention's key ring holds them: 8 chunks of 64 columns, each 64 rows of
+    128 bytes whose 16-byte units (8 values) are XOR-swizzled by row & 7; flat."""
+    rows = block.shape[0]
+    units = block.reshape(rows, 8, 8, 8)  # row, chunk, unit, value
+    out = np.empty((8, rows, 8, 8), block.dtype)  # chunk, row, unit slot, value
+    for r in range(rows):
+        out[:, r, np.arange(8) ^ (r & 7)] = units[r]
+    return out.reshape(-1)
+
+
+def run(out_dir: str) -> dict:
+    import jax
+
+    jax.config.update("jax_enable_x64", True)  # the %globaltimer stamps are int64
+    import jax.numpy as jnp
+
+    from djax.ffi import tma
+
+    binary = compile_cubin()
+    pool_rows = 64 * REGION
+    desc = tma.TensorMap(buffer=0, dtype=9, dims=(ROW_ELEMS, pool_rows), strides=(2, 2 * ROW_ELEMS), box=(64, 1),
+                         element_strides=(1, 1), interleave=0, swizzle=3, l2_promotion=2, oob_fill=0)  # fmt: skip
+    rng = np.random.default_rng(0)
+    pools = [rng.integers(0, 65535, (pool_rows, ROW_ELEMS), dtype=np.uint16) for _ in range(2)]
+    idxs = [
+        np.stack([(c // 2) * REGION + rng.choice(REGION, BLOCKS * 64, replace=False) for c in range(CTAS)]).astype(np.int32)
+        for _ in range(4)
+    ]  # fmt: skip
+    dev_pools, dev_idxs = [jnp.asarray(p) for p in pools], [jnp.asarray(i) for i in idxs]
+    outs = [
+        jax.ShapeDtypeStruct((CTAS * 128,), jnp.uint32),
+        jax.ShapeDtypeStruct((2 * CTAS,), jnp.int64),
+        jax.ShapeDtypeStruct((STAGE_BYTES // 2,), jnp.uint16),
+    ]
+    last = pools[0][idxs[0][0, (BLOCKS - 1) * 64 :]]  # CTA 0's last block
+    gathered = CTAS * BLOCKS * 64 * ROW_ELEMS * 2
+    result = dict(
+        device=jax.devices()[0].device_kind,
+        jax=jax.__version__,
+        date=datetime.datetime.now(datetime.UTC).strftime("%Y-%m-%dT%H:%MZ"),
+        what=__doc__.split("\n\n")[2].replace("\n", " "),
+        bytes_gathered=gathered,
+        variants={},
+    )
+    for name, (mode, stages) in VARIANTS.items():
+        key = f"gather-{name}-{hashlib.sha256(binary).hexdigest()[:16]}"
+        kern = tma.TmaKernel(
+            key, name, binary, (CTAS, 1, 1), 256, stages * STAGE_BYTES, (desc, 0, 1, 2, 3, 4)
+        )
+        fn = jax.jit(lambda p, i, kern=kern: tma.launch(kern, [p, i], outs))
+        _, _, dump = fn(dev_pools[0], dev_idxs[0])
+        want = last.reshape(-1) if mode == 2 else swizzled(last)
+        layout_ok = bool((np.asarray(dump) == want).all())
+        spans = []
+        for it in range(30):
+            _, t, _ = fn(dev_pools[it % 2], dev_idxs[it % 4])
+            t = np.asarray(t).reshape(CTAS, 2)
+            spans.append(int(t[:, 1].max() - t[:, 0].min()))
+        spans = spans[5:]
+        us = float(np.median(spans)) / 1e3
+        result["variants"][name] = dict(
+            stages=stages,
+            layout_ok=layout_ok,
+            us_median=us,
+            us_min=min(spans) / 1e3,
+            tb_per_s=gathered / us / 1e6,
+        )
+        print(name, result["variants"][name], flush=True)
+    with open(os.path.join(out_dir, "gather.json"), "w") as f:
+        json.dump(result, f, indent=1)
+    plot(result, os.path.join(out_dir, "gather.png"))
+    return result
+
+
+def plot(result: dict, path: str) -> None:
+    """One bar per way of loading: TB/s of rows gathered. Skipped where matplotlib is missing."""
+    try:
+        import matplotlib
+
+        matplotlib.use("Agg")
+        import matplotlib.pyplot as plt
+    except ImportError:
+        return
+    names = list(result["variants"])
+    rates = [result["variants"][n]["tb_per_s"] for n in names]
+    fig, ax = plt.subplots(figsize=(7, 2.8))
+    ax.barh(names, rates, color="tab:blue")
+    for y, (n, r) in enumerate(zip(names, rates, strict=True)):
+        ax.text(r, y, f" {r:.2f} TB/s, {result['variants'][n]['us_median']:.1f} us", va="center", fontsize=8)
+    ax.set_xlabel("rows of 1 KB gathered into shared memory, TB/s (128 CTAs x 320 rows)")
+    ax.set_xlim(0, max(rates) * 1.45)
+    ax.set_title(f"{result['device']}, {result['date']}", fontsize=9)
+    fig.tight_layout()
+    fig.savefig(path, dpi=110)
+
+
+def main():
+    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("--out", default=os.environ.get("OUT", "/tmp"))
+    p.add_argument("--build", action="store_true", help="compile only (nvcc, no GPU)")
+    args = p.parse_args()
+    if args.build:
+        print(len(compile_cubin()), "bytes")
+        return
+    run(args.out)
+
+
+if __name__ == "__main__":
+    sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+    main()
