@@ -12,7 +12,9 @@ a consumer warpgroup reading each block once and freeing its stage. Ways of load
   the same layout: TMA swizzles by the destination's shared-memory address, so a one-row box at row r of an
   8-row atom lands where wgmma expects it (the layout is checked);
 - `bulk`: one bulk copy of 1 KB per row (cp.async.bulk), linear rows, 2 or 3 stages: wgmma cannot read that
-  layout, so a kernel would still have to rearrange it in shared memory.
+  layout, so a kernel would still have to rearrange it in shared memory;
+- `bulk_relaid`: that rearrangement: blocks of 32 rows by bulk copy into a linear ring of two 32 KB stages,
+  which the producer threads copy, 16 bytes at a time, into the swizzled layout of a second such ring.
 CTA 0's last block is compared with the layout expected from the pool. Time: the first CTA's start to the
 last CTA's end (%globaltimer), median of 25 launches over alternating pools and index sets; bytes are the
 rows gathered. Writes gather.json (and gather.png) under --out.
@@ -37,6 +39,7 @@ VARIANTS = {  # kernel name: (mode, stages); mode 0 cp.async, 1 one TMA box per 
     "tma_box": (1, 2),
     "bulk": (2, 2),
     "bulk_3_stages": (2, 3),
+    "bulk_relaid": (3, 2),  # bulk copies into a linear ring, rearranged by the producer into a swizzled one
 }
 
 SOURCE = r"""
@@ -142,6 +145,85 @@ __device__ __forceinline__ void gather(const CUtensorMap* desc, const uint16_t* 
   }
 }
 
+// Bulk copies of whole rows into a linear staging ring, then the producer threads rearrange each block into the
+// swizzled layout of a second ring, which the consumers read: blocks of 32 rows (32 KB), two stages of each
+// ring, 128 KB of shared memory in all.
+__device__ __forceinline__ void gather_relaid(const uint16_t* pool, const int* idx, unsigned* sums, long long* times,
+                                              uint16_t* dump) {
+  constexpr int ROWS = 32, NB = BLOCKS * 64 / ROWS, BYTES = ROWS * 1024;
+  extern __shared__ __align__(1024) unsigned char buf[];
+  __shared__ __align__(8) uint64_t staged[2], ready[2], empty[2];
+  int tid = threadIdx.x, bid = blockIdx.x;
+  const int* rows = idx + bid * BLOCKS * 64;
+  if (tid == 0) {
+    times[2 * bid] = gtime();
+    for (int s = 0; s < 2; ++s) {
+      bar_init(&staged[s], 1);
+      bar_init(&ready[s], 128);
+      bar_init(&empty[s], 128);
+    }
+    asm volatile("fence.mbarrier_init.release.cluster;" ::: "memory");
+  }
+  __syncthreads();
+  uint32_t stage0 = smem(buf);
+  if (tid >= 128) {
+    int p = tid - 128;
+    for (int g = 0; g < 2; ++g) {  // the first two blocks' rows
+      if (p == 0) bar_expect(&staged[g], BYTES);
+      if (p < ROWS)
+        asm volatile("cp.async.bulk.shared::cluster.global.mbarrier::complete_tx::bytes [%0], [%1], 1024, [%2];"
+                     ::"r"(stage0 + g * BYTES + p * 1024), "l"(pool + (size_t)rows[g * ROWS + p] * 512),
+                     "r"(smem(&staged[g])) : "memory");
+    }
+    for (int g = 0; g < NB; ++g) {
+      int s = g & 1;
+      bar_wait(&staged[s], (g >> 1) & 1);
+      bar_wait(&empty[s], ((g >> 1) & 1) ^ 1);
+#pragma unroll
+      for (int q = 0; q < ROWS * 64 / 128; ++q) {  // 16-byte unit u of linear row r -> chunk u / 8, swizzled slot
+        int i = q * 128 + p, r = i / 64, u = i % 64, c = u / 8, j = u % 8;
+        uint4 v = *reinterpret_cast<const uint4*>(buf + s * BYTES + r * 1024 + u * 16);
+        *reinterpret_cast<uint4*>(buf + 2 * BYTES + s * BYTES + c * ROWS * 128 + r * 128 + ((j ^ (r & 7)) * 16)) = v;
+      }
+      asm volatile("fence.proxy.async.shared::cta;" ::: "memory");  // as wgmma (the async proxy) would need
+      bar_arrive(&ready[s]);
+      asm volatile("bar.sync 2, 128;" ::: "memory");  // every producer thread has read the staged block
+      if (g + 2 < NB) {
+        if (p == 0) bar_expect(&staged[s], BYTES);
+        if (p < ROWS)
+          asm volatile("cp.async.bulk.shared::cluster.global.mbarrier::complete_tx::bytes [%0], [%1], 1024, [%2];"
+                       ::"r"(stage0 + s * BYTES + p * 1024), "l"(pool + (size_t)rows[(g + 2) * ROWS + p] * 512),
+                       "r"(smem(&staged[s])) : "memory");
+      }
+    }
+  } else {
+    unsigned acc = 0;
+    for (int g = 0; g < NB; ++g) {
+      int s = g & 1;
+      bar_wait(&ready[s], (g >> 1) & 1);
+      const uint4* v = reinterpret_cast<const uint4*>(buf + 2 * BYTES + s * BYTES);
+#pragma unroll 4
+      for (int q = 0; q < BYTES / 16 / 128; ++q) {
+        uint4 x = v[q * 128 + tid];
+        acc += x.x ^ x.y ^ x.z ^ x.w;
+      }
+      if (g == NB - 1 && bid == 0) {
+        const uint16_t* s16 = reinterpret_cast<const uint16_t*>(buf + 2 * BYTES + s * BYTES);
+        for (int q = tid; q < BYTES / 2; q += 128) dump[q] = s16[q];
+      }
+      bar_arrive(&empty[s]);
+    }
+    sums[bid * 128 + tid] = acc;
+    asm volatile("bar.sync 1, 128;" ::: "memory");
+    if (tid == 0) times[2 * bid + 1] = gtime();
+  }
+}
+
+extern "C" __global__ void __launch_bounds__(256, 1) bulk_relaid(const CUtensorMap __grid_constant__ desc,
+    const uint16_t* pool, const int* idx, unsigned* sums, long long* times, uint16_t* dump) {
+  gather_relaid(pool, idx, sums, times, dump);
+}
+
 #define GATHER(name, mode, stages)                                                                          \
   extern "C" __global__ void __launch_bounds__(256, 1) name(const CUtensorMap __grid_constant__ desc,      \
       const uint16_t* pool, const int* idx, unsigned* sums, long long* times, uint16_t* dump) {            \
@@ -221,12 +303,14 @@ def run(out_dir: str) -> dict:
     )
     for name, (mode, stages) in VARIANTS.items():
         key = f"gather-{name}-{hashlib.sha256(binary).hexdigest()[:16]}"
-        kern = tma.TmaKernel(
-            key, name, binary, (CTAS, 1, 1), 256, stages * STAGE_BYTES, (desc, 0, 1, 2, 3, 4)
-        )
+        shared = 2 * STAGE_BYTES if mode == 3 else stages * STAGE_BYTES  # mode 3: four 32 KB stages
+        kern = tma.TmaKernel(key, name, binary, (CTAS, 1, 1), 256, shared, (desc, 0, 1, 2, 3, 4))
         fn = jax.jit(lambda p, i, kern=kern: tma.launch(kern, [p, i], outs))
         _, _, dump = fn(dev_pools[0], dev_idxs[0])
-        want = last.reshape(-1) if mode == 2 else swizzled(last)
+        if mode == 3:  # the last block is the last 32 rows, in a 32 KB stage
+            want, dump = swizzled(last[32:]), np.asarray(dump)[: 32 * ROW_ELEMS]
+        else:
+            want = last.reshape(-1) if mode == 2 else swizzled(last)
         layout_ok = bool((np.asarray(dump) == want).all())
         spans = []
         for it in range(30):
