@@ -82,6 +82,18 @@ __device__ __forceinline__ int djax_push_slot(int sender, int owner, int g) {
   return ((sender < owner ? sender : sender - 1) * KG + g) * (64 / SPLIT) * BN;
 }
 
+__device__ __forceinline__ uint32_t djax_peer(uint32_t local, int peer) {  // that address in a peer's memory
+  uint32_t remote;
+  asm volatile("mapa.shared::cluster.u32 %0, %1, %2;" : "=r"(remote) : "r"(local), "r"(peer));
+  return remote;
+}
+
+template <int BN>
+__device__ __forceinline__ int djax_push_at(int item) {  // where 4-column group `item` of the rows sits
+  int rr = item / (BN / 4);
+  return rr * BN + (((item % (BN / 4)) * 4) ^ ((rr & 3) << 3));
+}
+
 template <int SPLIT, int KG, int BN>
 __device__ __forceinline__ void djax_push_sum(const bfloat16_t* out_ro, int m, int n, int col0, const float* xs,
                                               const float* recv, Barrier& recv_bar, Barrier& done_bar, int rank,
@@ -97,16 +109,13 @@ __device__ __forceinline__ void djax_push_sum(const bfloat16_t* out_ro, int m, i
 #pragma unroll
     for (int o = 0; o < SPLIT; ++o) {
       if (o == rank) continue;
-      uint32_t remote_bar;
-      asm volatile("mapa.shared::cluster.u32 %0, %1, %2;" : "=r"(remote_bar) : "r"(bar), "r"(o));
 #pragma unroll
       for (int g = 0; g < KG; ++g) {
-        uint32_t src = xs_s + (uint32_t)((g * 64 + o * R) * BN * 4), remote_dst;
+        uint32_t src = xs_s + (uint32_t)((g * 64 + o * R) * BN * 4);
         uint32_t dst = recv_s + (uint32_t)(djax_push_slot<SPLIT, KG, BN>(rank, o, g) * 4);
-        asm volatile("mapa.shared::cluster.u32 %0, %1, %2;" : "=r"(remote_dst) : "r"(dst), "r"(o));
         asm volatile(
             "cp.async.bulk.shared::cluster.shared::cta.mbarrier::complete_tx::bytes [%0], [%1], %2, [%3];"
-            ::"r"(remote_dst), "r"(src), "n"(R * BN * 4), "r"(remote_bar) : "memory");
+            ::"r"(djax_peer(dst, o)), "r"(src), "n"(R * BN * 4), "r"(djax_peer(bar, o)) : "memory");
       }
     }
   }
@@ -116,10 +125,9 @@ __device__ __forceinline__ void djax_push_sum(const bfloat16_t* out_ro, int m, i
   for (int it = 0; it < ITERS; ++it) {
     int i = tid + it * THREADS;
     if (i < ITEMS) {
-      int rr = i / (BN / 4), at = rr * BN + (((i % (BN / 4)) * 4) ^ ((rr & 3) << 3));
 #pragma unroll
       for (int g = 0; g < KG; ++g) {
-        v[it][g] = *reinterpret_cast<const float4*>(xs + g * 64 * BN + rank * R * BN + at);
+        v[it][g] = *reinterpret_cast<const float4*>(xs + g * 64 * BN + rank * R * BN + djax_push_at<BN>(i));
       }
     }
   }
@@ -131,16 +139,14 @@ __device__ __forceinline__ void djax_push_sum(const bfloat16_t* out_ro, int m, i
 #pragma unroll
     for (int o = 0; o < SPLIT; ++o) {
       if (o == rank) continue;
-      uint32_t remote_bar;
-      asm volatile("mapa.shared::cluster.u32 %0, %1, %2;" : "=r"(remote_bar) : "r"(bar), "r"(o));
-      asm volatile("mbarrier.arrive.relaxed.cluster.shared::cluster.b64 _, [%0];" ::"r"(remote_bar) : "memory");
+      asm volatile("mbarrier.arrive.relaxed.cluster.shared::cluster.b64 _, [%0];" ::"r"(djax_peer(bar, o)) : "memory");
     }
   }
 #pragma unroll
   for (int it = 0; it < ITERS; ++it) {
     int i = tid + it * THREADS;
     if (i < ITEMS) {
-      int rr = i / (BN / 4), at = rr * BN + (((i % (BN / 4)) * 4) ^ ((rr & 3) << 3));
+      int at = djax_push_at<BN>(i);
 #pragma unroll
       for (int j = KG; j < SPLIT * KG; ++j) {  // the received slots, in their order
         v[it][j] = *reinterpret_cast<const float4*>(recv + (j - KG) * R * BN + at);
