@@ -106,7 +106,8 @@ def main():
         return
 
     from bench_kernels import bench
-    from bench_tilelang import FP8_PEAK, RTOL, make_sets, rel_err, timing_sets
+    from bench_moe import timing_sets
+    from bench_tilelang import FP8_PEAK, RTOL, make_sets, rel_err
 
     from djax.kernels.fp8_gemm_ref import fp8_gemm_ref
 

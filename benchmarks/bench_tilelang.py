@@ -28,6 +28,7 @@ import numpy as np
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 from bench_kernels import COPY_BW, bench, measure_ceilings  # noqa: E402
+from bench_moe import timing_sets  # noqa: E402
 
 from djax.kernels.fp8_gemm_ref import fp8_gemm_ref, quantize_act, quantize_weight
 from djax.kernels.fp8_gemm_tilelang import (
@@ -49,12 +50,6 @@ T0 = time.perf_counter()
 
 def log(msg: str) -> None:
     print(f"[{time.perf_counter() - T0:6.1f}s] {msg}", flush=True)
-
-
-def timing_sets(m: int) -> int:
-    """Input sets a timing rotates through: at decode (m <= 64) six, since two sets of weights at n 4096 would
-    stay in the 50 MB L2; at prefill two (the GEMM is compute-bound)."""
-    return 6 if m <= 64 else 2
 
 
 def make_sets(n_sets, m, n, k, seed=0):

@@ -157,7 +157,8 @@ def run(out_dir: str, launches: int) -> dict:
     import jax
     import jax.numpy as jnp
     from bench_kernels import attn_sets
-    from bench_tilelang import make_sets, timing_sets
+    from bench_moe import timing_sets
+    from bench_tilelang import make_sets
 
     from djax.ffi import cubin, tma
     from djax.ffi.cubin import Cubin

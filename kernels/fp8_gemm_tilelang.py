@@ -339,7 +339,7 @@ def check_ws_tiling(m: int, n: int, k: int, tiling: WsTiling) -> None:
             raise ValueError(f"{t}: a consumer's registers do not hold two 64x{t.block_n} f32 tiles")
         ring = t.stages * (64 + t.block_n) * BLOCK
         if t.push_sum:  # every group's accumulator staged, and the other splits' values for this one's rows
-            sums = 4 * 64 * t.block_n * t.k_groups * (1 + (t.split_k - 1) / t.split_k)
+            sums = 4 * t.block_n * t.k_groups * (64 + (t.split_k - 1) * (64 // t.split_k))
         else:  # other groups' sums, the split's
             sums = 4 * 64 * t.block_n * (t.k_groups - (t.split_k == 1))
         scales = 4 * 65 * t.k_groups * -(-(k // BLOCK // t.split_k) // t.k_groups)
