@@ -76,8 +76,10 @@ def with_timestamps(source: str, name: str, points: int) -> str:
 
 
 def decode_source():
-    """The FP8 decode default (k groups, split 2 summed in a cluster by bulk copies) with its points; (source,
-    launch, names). The points inside `djax_push_sum` are not stamped (the shared array is the kernel's)."""
+    """The FP8 decode default (k groups, split 2 summed in a cluster, pushed by bulk copies or straight from
+    the registers) with its points; (source, launch, names). The points inside `djax_push_sum` /
+    `djax_push_regs` are not stamped (the shared array is the kernel's): "groupN_staged" is where group N
+    calls it (its sum staged in shared memory by the bulk push; its k loop done with the register push)."""
     from djax.kernels import fp8_gemm_tilelang as F
 
     t = F.default_ws_tiling(*DECODE)
@@ -98,11 +100,11 @@ def decode_source():
     s = insert_after(s, wait, f"if (threadIdx.x == 0) {{ if (i_2 == 0) djax_t[4] = clock64(); "
                      f"if (i_2 == {turns - 1}) djax_t[5] = clock64(); }}")  # fmt: skip
     # each group's call of the exchange, once its sum is staged (group 0's comes first in the source)
-    calls = re.findall(r"      djax_push_sum<[^\n]*\n", s)
-    if len(calls) != 2 or calls[0] != calls[1]:
-        raise NotImplementedError("unexpected calls of djax_push_sum in the lowered source")
+    calls = re.findall(r"      djax_push_(?:sum|regs)<[^\n]*\n", s)
+    if len(calls) != 2 or calls[0][:20] != calls[1][:20]:
+        raise NotImplementedError("unexpected calls of the cluster's sum in the lowered source")
     first = s.index(calls[0])
-    second = s.index(calls[0], first + 1)
+    second = s.index(calls[1], first + 1)
     s = s[:second] + "      " + stamp(7, thread=128) + "\n" + s[second:]
     stamped = f"      {stamp(6)}\n{calls[0]}      {stamp(8)}\n"
     s = s[:first] + stamped + s[first + len(calls[0]) :]

@@ -18,7 +18,9 @@ shared memory must be visible to the peers' loads), and on the H200 that is a GP
 arrive and an L1 invalidation after every wait, about 1.2 us at the end of a 10 us kernel. Instead each
 split sends its values for the other splits' rows by bulk copy (the async proxy, ordered after the staging
 stores by a proxy fence and a barrier of the consumer threads), which completes bytes on the owner's
-mbarrier; a relaxed remote arrive back tells the sender that its staged values may go.
+mbarrier; a relaxed remote arrive back tells the sender that its staged values may go. With `push_regs`
+(the default where push_sum is) nothing is staged first: the warps holding another split's rows send their
+accumulator registers there by st.async, and the warps holding this split's rows add up a share of them.
 
 TileLang writes the program (`decode_program`); the cluster shape and the cross-split sum are CUDA put into
 the lowered source (`with_cluster_sum`), as for the sparse decode's merge: TileLang 0.1.15 has no load from
@@ -173,6 +175,97 @@ __device__ __forceinline__ void djax_push_sum(const bfloat16_t* out_ro, int m, i
 """
 
 
+_PUSH_REGS = r"""
+// The pushed sum straight from the accumulator registers (`WsTiling.push_regs`), called by every consumer
+// thread right after its k loop, with `acc` its NREG = BN / 2 accumulator registers in wgmma's layout
+// (warp w of a warpgroup holds rows 16 w .. 16 w + 15; register i of lane l: row 16 w + l / 4 + 8 ((i / 2) % 2),
+// column 8 (i / 4) + 2 (l % 4) + i % 2). Warps whose rows another split stores send all their registers
+// there by st.async (from registers into the owner's `recv`, completing bytes on its `recv_bar`). Warps of
+// this split's rows sum: group g takes register quads [g Q, (g + 1) Q), Q = NREG / 4 / KG, and stages the
+// other groups' quads in its slot of `loc`; every buffer is laid out [quad][warp of the rows][lane] x float4, so each
+// thread reads and writes 16 contiguous bytes beside its lane's (no bank conflicts) and reads back exactly
+// the registers of its own (row, column) positions. No staging of the whole tile, no proxy fence, no bulk
+// copy.
+template <int SPLIT, int KG, int BN, int G>
+__device__ __forceinline__ void djax_push_regs(const bfloat16_t* out_ro, int m, int n, int col0, const float* acc,
+                                               const float* recv, const float* loc_ro, Barrier& recv_bar,
+                                               Barrier& done_bar, int rank, int tid) {
+  // TileLang declares the output const: this function is the only writer it does not see
+  bfloat16_t* out = const_cast<bfloat16_t*>(out_ro);
+  float* loc = const_cast<float*>(loc_ro);
+  constexpr int R = 64 / SPLIT, WR = R / 16, NQ = BN / 8, Q = NQ / KG, SLOT = R * BN;
+  static_assert(R % 16 == 0 && NQ % KG == 0, "a split's rows are whole warps, a group's share whole quads");
+  constexpr int g = G;  // the caller's consumer warpgroup, known when compiling: `acc` stays in registers
+  const int w = (tid % 128) / 32, lane = tid % 32, owner = w / WR, wl = w % WR;
+  auto at = [&](int q) { return ((q * WR + wl) * 32 + lane) * 4; };  // quad q's float offset in a slot
+  if (owner != rank) {
+    uint32_t bar = djax_peer((uint32_t)__cvta_generic_to_shared(&recv_bar), owner);
+    uint32_t dst = djax_peer((uint32_t)__cvta_generic_to_shared(recv + djax_push_slot<SPLIT, KG, BN>(rank, owner, g)),
+                             owner);
+#pragma unroll
+    for (int q = 0; q < NQ; ++q) {
+      asm volatile(
+          "st.async.shared::cluster.mbarrier::complete_tx::bytes.v4.f32 [%0], {%1, %2, %3, %4}, [%5];"
+          ::"r"(dst + (uint32_t)(at(q) * 4)), "f"(acc[4 * q]), "f"(acc[4 * q + 1]), "f"(acc[4 * q + 2]),
+          "f"(acc[4 * q + 3]), "r"(bar) : "memory");
+    }
+    // keep this CTA until the owners have every byte (their arrives on `done_bar` below)
+    if (g == 0 && wl == 0 && lane == 0) done_bar.wait(0);
+    return;
+  }
+#pragma unroll
+  for (int q = 0; q < NQ; ++q) {  // the other groups' quads, for them
+    if (q / Q != g) *reinterpret_cast<float4*>(loc + g * SLOT + at(q)) = *reinterpret_cast<const float4*>(acc + 4 * q);
+  }
+  asm volatile("bar.sync 11, %0;" ::"n"(KG * WR * 32) : "memory");  // every group's staging of this split's rows
+  float4 v[Q][SPLIT * KG - 1];  // every value loaded before any is added
+#pragma unroll
+  for (int j = 0; j < Q; ++j) {
+    int q = g * Q + j;
+#pragma unroll
+    for (int h = 0, e = 0; h < KG; ++h) {
+      if (h != g) v[j][e++] = *reinterpret_cast<const float4*>(loc + h * SLOT + at(q));
+    }
+  }
+  recv_bar.wait(0);
+  if (g == 0 && wl == 0 && lane == 0) {
+    // every other split's bytes have landed here: tell them they may exit
+    uint32_t bar = (uint32_t)__cvta_generic_to_shared(&done_bar);
+#pragma unroll
+    for (int o = 0; o < SPLIT; ++o) {
+      if (o != rank)
+        asm volatile("mbarrier.arrive.relaxed.cluster.shared::cluster.b64 _, [%0];" ::"r"(djax_peer(bar, o)) : "memory");
+    }
+  }
+#pragma unroll
+  for (int j = 0; j < Q; ++j) {
+    int q = g * Q + j;
+#pragma unroll
+    for (int s = 0; s < (SPLIT - 1) * KG; ++s) v[j][KG - 1 + s] = *reinterpret_cast<const float4*>(recv + s * SLOT + at(q));
+  }
+  const int r0 = 16 * w + lane / 4;
+#pragma unroll
+  for (int j = 0; j < Q; ++j) {
+    int q = g * Q + j;
+    float4 a = *reinterpret_cast<const float4*>(acc + 4 * q);
+#pragma unroll
+    for (int e = 0; e < SPLIT * KG - 1; ++e) {
+      a.x += v[j][e].x; a.y += v[j][e].y; a.z += v[j][e].z; a.w += v[j][e].w;
+    }
+    int c = col0 + 8 * q + 2 * (lane % 4);
+    if (r0 < m) {
+      bfloat16_t o[2] = {bfloat16_t(a.x), bfloat16_t(a.y)};
+      *reinterpret_cast<uint32_t*>(out + (size_t)r0 * n + c) = *reinterpret_cast<const uint32_t*>(o);
+    }
+    if (r0 + 8 < m) {
+      bfloat16_t o[2] = {bfloat16_t(a.z), bfloat16_t(a.w)};
+      *reinterpret_cast<uint32_t*>(out + (size_t)(r0 + 8) * n + c) = *reinterpret_cast<const uint32_t*>(o);
+    }
+  }
+}
+"""
+
+
 def consumer_registers(k_groups: int) -> int:
     """Registers a consumer thread may take (setmaxnreg) once the producer is down to 40. ptxas gives every
     thread of a kernel with setmaxnreg the launch bound's share of the 64K (a multiple of 8), and an increase
@@ -249,22 +342,39 @@ def decode_program(m: int, n: int, k: int, tiling):
         in turn; `xfer` receives the other splits' values, completing bars[0]; bars[1] counts the other
         splits done with this one's), then `djax_push_sum` with every consumer thread. The split is
         blockIdx.z (the cluster spans z), not the cluster-rank register, which TileLang reads at every use."""
-        for r, c in T.Parallel(64, bn):
-            sums[g * 64 * bn + r * bn + T.bitwise_xor(c, (r & 3) * 8)] = acc[r, c]
-        T.call_extern(
-            "handle",
-            f"djax_push_sum<{split}, {kg}, {bn}>",
-            C.data,
-            m,
-            n,
-            bx * bn,
-            T.address_of(sums[0]),
-            T.address_of(xfer[0]),
-            bars[0],
-            bars[1],
-            bz,
-            tx,
-        )
+        if tiling.push_regs:  # straight from the registers: `sums` is `loc` there
+            T.call_extern(
+                "handle",
+                f"djax_push_regs<{split}, {kg}, {bn}, {g}>",
+                C.data,
+                m,
+                n,
+                bx * bn,
+                acc.data,
+                T.address_of(xfer[0]),
+                T.address_of(sums[0]),
+                bars[0],
+                bars[1],
+                bz,
+                tx,
+            )
+        else:
+            for r, c in T.Parallel(64, bn):
+                sums[g * 64 * bn + r * bn + T.bitwise_xor(c, (r & 3) * 8)] = acc[r, c]
+            T.call_extern(
+                "handle",
+                f"djax_push_sum<{split}, {kg}, {bn}>",
+                C.data,
+                m,
+                n,
+                bx * bn,
+                T.address_of(sums[0]),
+                T.address_of(xfer[0]),
+                bars[0],
+                bars[1],
+                bz,
+                tx,
+            )
 
     @T.macro
     def consumer(
@@ -350,7 +460,8 @@ def decode_program(m: int, n: int, k: int, tiling):
             full = T.alloc_barrier([128] * ns)  # the producer's 128 threads
             empty = T.alloc_barrier([128] * ns)  # the consumer warpgroup that took the block
             if push:
-                sums = T.alloc_shared((kg * 64 * bn,), f32)  # every group's accumulator, swizzled
+                # every group's accumulator, swizzled; with push_regs each group's quads of this split's rows
+                sums = T.alloc_shared((kg * (rows if tiling.push_regs else 64) * bn,), f32)
                 xfer = T.alloc_shared(((split - 1) * kg * rows * bn,), f32)  # the other splits' values
                 # the other splits' values have landed (its arrival: the expectation of their bytes); the
                 # other splits have theirs
@@ -384,4 +495,5 @@ def decode_program(m: int, n: int, k: int, tiling):
 def with_cluster_sum(source: str, name: str, split: int, push: bool = False) -> str:
     """The lowered source with the cluster shape (1, 1, split) declared on the kernel and the cluster sum's
     device code (`djax_cluster_sum`, or with `push` `djax_push_sum`) ahead of it."""
-    return with_device_code(with_cluster(source, name, (1, 1, split)), _PUSH_SUM if push else _CLUSTER_SUM)
+    code = _PUSH_SUM + _PUSH_REGS if push else _CLUSTER_SUM
+    return with_device_code(with_cluster(source, name, (1, 1, split)), code)

@@ -80,7 +80,8 @@ def auto_takes_tilelang(a, b, out_dtype) -> bool:
     n 4096, k 7168 the k-group kernel 11.9 us against Triton's 13.0 in one bench_kernels run
     (kernels_h200_fp8_kgroups.json); 2026-12-02, with the cluster's sum pushed
     (kernels_h200_fp8_push_early.json): 11.17 against 12.87 us at k 7168, 7.97 against 9.64 (Triton's best
-    configuration there 9.39) at k 4096. Between m = 64 and 4,096 neither was measured: there the TileLang
+    configuration there 9.39) at k 4096; pushed from the registers (kernels_h200_fp8_push_regs.json): 10.84
+    against 12.97 and 7.86 against 9.60. Between m = 64 and 4,096 neither was measured: there the TileLang
     tiles, twice as wide, leave more SMs idle than Triton's, so those m stay on Triton, as do the other decode
     shapes (within a few percent of Triton, which compiles a new shape faster: each TileLang program is
     specialised to its (m, n, k))."""

@@ -102,7 +102,11 @@ class WsTiling:
     warpgroup stages its accumulator in its own shared memory and one thread sends each other split the
     rows it stores by bulk copy into that split's shared memory, completing bytes on its mbarrier; the
     owner's consumer threads add all warpgroups' and splits' values and store bf16. No cluster barrier
-    follows the k loop (`fp8_decode_tilelang`)."""
+    follows the k loop (`fp8_decode_tilelang`).
+
+    `push_regs` (with push_sum): the values go to their owner straight from the accumulator registers
+    (st.async into its shared memory), and the owner's warpgroups each add up a share of its columns: no
+    staging of the whole tile, no proxy fence, no bulk copy (`djax_push_regs`)."""
 
     block_m: int
     block_n: int
@@ -115,6 +119,7 @@ class WsTiling:
     scales_ahead: bool = False
     early_store: bool = False
     push_sum: bool = False
+    push_regs: bool = False
 
     @property
     def consumer_wgs(self) -> int:
@@ -151,6 +156,7 @@ class WsTiling:
         tail += "_sa" if self.scales_ahead else ""
         tail += "_es" if self.early_store else ""
         tail += "_ps" if self.push_sum else ""
+        tail += "_pr" if self.push_regs else ""
         return f"ws{self.block_m}x{self.block_n}s{self.stages}{tail}"
 
 
@@ -173,10 +179,12 @@ MEASURED_WS_BEST = {
     # two consumer warpgroups over k, the 2 splits summed in their cluster, the sum pushed by bulk copy:
     # 11.27-11.38 us against 11.46-11.60 pulled (tilelang_fp8_gemm_h200_decode_push3_ab.json; with the early
     # arrive, a tie, _push_early_ab.json), which was 11.99 us against 12.82 for the split summed by XLA after
-    ("decode", 4096, 7168): WsTiling(64, 64, 8, split_k=2, k_groups=2, push_sum=True),
+    # and pushed straight from the registers (st.async): 10.66-10.93 us against 11.08-11.29 by bulk copy, four
+    # alternating rounds (tilelang_fp8_gemm_h200_decode_push_regs_ab.json)
+    ("decode", 4096, 7168): WsTiling(64, 64, 8, split_k=2, k_groups=2, push_sum=True, push_regs=True),
     # the same: 8.03-8.12 us against 8.86-8.94 for 64x64 split 2 summed by XLA and 8.17-8.46 pulled; with the
-    # early arrive 7.99-8.19 against 8.10-8.27
-    ("decode", 4096, 4096): WsTiling(64, 64, 8, split_k=2, k_groups=2, push_sum=True),
+    # early arrive 7.99-8.19 against 8.10-8.27; from the registers 7.53-7.72 against 7.98-8.07
+    ("decode", 4096, 4096): WsTiling(64, 64, 8, split_k=2, k_groups=2, push_sum=True, push_regs=True),
     ("decode", 7168, 4096): WsTiling(64, 128, 8, smem_scales=True),  # 13.9 us
 }
 
@@ -239,6 +247,9 @@ WS_VARIANTS = {  # tilings worth timing (measured best first, then the newer one
         WsTiling(64, 128, 6, k_groups=2),
         # the cluster's sum pushed by bulk copy into the owners' shared memory (no cluster barrier at the end)
         WsTiling(64, 64, 8, split_k=2, k_groups=2, push_sum=True),
+        # pushed straight from the accumulator registers (st.async), each group adding up a share of the columns
+        WsTiling(64, 64, 8, split_k=2, k_groups=2, push_sum=True, push_regs=True),
+        WsTiling(64, 64, 8, split_k=4, k_groups=4, push_sum=True, push_regs=True),
     ),
 }
 
@@ -326,6 +337,12 @@ def check_ws_tiling(m: int, n: int, k: int, tiling: WsTiling) -> None:
             raise ValueError(f"k_groups must be 2-4 and split_k 1, 2 or 4 (a cluster): {t}")
         if t.push_sum and t.split_k == 1:
             raise ValueError(f"push_sum sums the splits of a cluster: it needs split_k 2 or 4: {t}")
+        if t.push_regs and (not t.push_sum or (t.block_n // 8) % t.k_groups):
+            # each group adds up whole quads (4 registers, 16 bytes) of the accumulator's block_n / 2
+            raise ValueError(f"push_regs needs push_sum and block_n / 8 a multiple of k_groups: {t}")
+        if t.push_regs and k // BLOCK // t.split_k < t.k_groups:
+            # a group without a k block has no wgmma to give its registers their layout, and nothing to add
+            raise ValueError(f"push_regs needs a k block per group in every split: {t} at k={k}")
         if t.stages % t.k_groups:
             # every ring buffer must belong to one group: a group waiting on a buffer's next phase while
             # another group's phase of it is still pending would pass the parity wait at once (H200: a
@@ -338,8 +355,10 @@ def check_ws_tiling(m: int, n: int, k: int, tiling: WsTiling) -> None:
         if t.block_n + 40 > consumer_registers(t.k_groups):  # accumulator + partial, 64 x block_n f32 each
             raise ValueError(f"{t}: a consumer's registers do not hold two 64x{t.block_n} f32 tiles")
         ring = t.stages * (64 + t.block_n) * BLOCK
-        if t.push_sum:  # every group's accumulator staged, and the other splits' values for this one's rows
-            sums = 4 * t.block_n * t.k_groups * (64 + (t.split_k - 1) * (64 // t.split_k))
+        if t.push_sum:  # every group's accumulator staged (push_regs: the split's rows of it), and the other
+            # splits' values for this one's rows
+            staged = 64 // t.split_k if t.push_regs else 64
+            sums = 4 * t.block_n * t.k_groups * (staged + (t.split_k - 1) * (64 // t.split_k))
         else:  # other groups' sums, the split's
             sums = 4 * 64 * t.block_n * (t.k_groups - (t.split_k == 1))
         scales = 4 * 65 * t.k_groups * -(-(k // BLOCK // t.split_k) // t.k_groups)
@@ -364,7 +383,7 @@ def check_ws_tiling(m: int, n: int, k: int, tiling: WsTiling) -> None:
         )
     if (k // BLOCK) % tiling.split_k:
         raise ValueError(f"split_k={tiling.split_k} does not divide the {k // BLOCK} k blocks")
-    if tiling.push_sum:
+    if tiling.push_sum or tiling.push_regs:
         raise ValueError(f"push_sum is for the k-group decode program (k_groups > 1): {tiling}")
     if tiling.early_store and (tiling.slices != 2 or tiling.split_k > 1 or not tiling.by_rows):
         raise ValueError(f"early_store needs two 128-column slices per warpgroup and no split of k: {tiling}")

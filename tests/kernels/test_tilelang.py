@@ -10,6 +10,7 @@ installed.
 
 import dataclasses
 import functools
+import re
 import shutil
 
 import jax
@@ -242,7 +243,19 @@ def test_ws_k_groups_lower(tiling, m):
     assert src.count("__syncthreads()") == 1  # after the barriers' init, before the roles split
     clustered = tiling.split_k > 1
     assert (f"__cluster_dims__(1, 1, {tiling.split_k})" in src) == clustered
-    if tiling.push_sum:
+    if tiling.push_regs:
+        # every consumer warpgroup hands its registers to djax_push_regs (its group index compiled in, so they
+        # stay registers): st.async to the owners' mbarriers, no staging loop, no bulk copy
+        for g in range(tiling.k_groups):
+            call = f"djax_push_regs<{tiling.split_k}, {tiling.k_groups}, {tiling.block_n}, {g}>(C, {m}, {n},"
+            assert src.count(call) == 1 and f", c{g}, (&(((float*)xfer)[0]))" in src
+        assert "djax_push_sum<" not in src.split('extern "C" __global__')[-1]
+        assert "st.async.shared::cluster.mbarrier::complete_tx::bytes.v4.f32" in src
+        assert not re.search(r"\(\(float\*\)sums\)\[[^;]*\] = ", src)  # nothing staged by TileLang
+        rows, slots = 64 // tiling.split_k, (tiling.split_k - 1) * tiling.k_groups
+        assert f"summed[0].arrive_and_expect_tx({slots * rows * tiling.block_n * 4});" in src
+        assert src.count("tl::cluster_wait();") == tiling.k_groups + 1 and "tl::cluster_arrive();" not in src
+    elif tiling.push_sum:
         # every consumer warpgroup stages its sum and joins djax_push_sum, which sends the other splits' rows in
         # bulk copies completing their mbarrier (expecting every other split's warpgroups' bytes); one
         # cluster barrier only, relaxed, at the start (the barriers' init), and no releasing arrive anywhere
@@ -333,6 +346,19 @@ def test_ws_tiling_validation_and_defaults():
     with pytest.raises(ValueError, match="m <= 64"):
         check_ws_tiling(65, 4096, 7168, WsTiling(64, 64, 8, k_groups=2))
     assert WsTiling(64, 64, 8, split_k=2, k_groups=4).name == "ws64x64s8_k2_g4"
+    pr = WsTiling(64, 64, 8, split_k=4, k_groups=4, push_sum=True, push_regs=True)
+    check_ws_tiling(64, 4096, 2048, pr)
+    with pytest.raises(ValueError, match="a k block per group"):  # 4 k blocks over 4 splits of 4 groups
+        check_ws_tiling(64, 4096, 512, pr)
+    with pytest.raises(ValueError, match="push_regs needs push_sum"):
+        check_ws_tiling(64, 4096, 7168, WsTiling(64, 64, 8, split_k=2, k_groups=2, push_regs=True))
+    with pytest.raises(ValueError, match="push_regs needs push_sum"):  # 64 / 8 quads over 3 groups
+        check_ws_tiling(
+            64, 4096, 7168, WsTiling(64, 64, 6, split_k=2, k_groups=3, push_sum=True, push_regs=True)
+        )
+    with pytest.raises(ValueError, match="push_sum is for"):
+        check_ws_tiling(64, 4096, 7168, WsTiling(64, 64, 8, split_k=2, push_regs=True))
+    assert pr.name == "ws64x64s8_k4_g4_ps_pr"
     with pytest.raises(ValueError, match="push_sum"):  # nothing to push without a split
         check_ws_tiling(64, 4096, 7168, WsTiling(64, 64, 8, k_groups=2, push_sum=True))
     with pytest.raises(ValueError, match="push_sum"):  # only the k-group program has a cluster sum
@@ -363,6 +389,27 @@ def test_ws_tiling_validation_and_defaults():
 
 
 @needs_tilelang
+@needs_tilelang
+@needs_cuda_h
+def test_accumulator_layout_is_the_one_push_regs_assumes():
+    """djax_push_regs reads the accumulator's registers by position: register i of lane l in warp w holds row
+    16 w + 8 ((i & 3) >> 1) + l / 4, column 8 (i >> 2) + 2 (l & 3) + (i & 1) (wgmma's layout). The bulk push
+    stages the same registers through TileLang's own indexing; its lowered store says where TileLang puts
+    each register, and it must be that layout (swizzled by (row & 3) << 3)."""
+    from djax.kernels.fp8_gemm_tilelang import WsTiling, lower_ws
+
+    src, _ = lower_ws(64, 1024, 2048, WsTiling(64, 64, 8, split_k=2, k_groups=2, push_sum=True))
+    (index,) = re.findall(r"\(\(float\*\)sums\)\[(.*)\] = c0\[i_5\];", src)
+    index = index.replace("((int)threadIdx.x)", "tx")
+    assert set(re.sub(r"\b(tx|i_5)\b|\d+", "", index)) <= set("()+*&^> ")  # plain integer arithmetic
+    for tx in range(128):
+        for i_5 in range(32):
+            w, lane = tx // 32, tx % 32
+            row = 16 * w + 8 * ((i_5 & 3) >> 1) + lane // 4
+            col = 8 * (i_5 >> 2) + 2 * (lane & 3) + (i_5 & 1)
+            assert eval(index, {}, {"tx": tx, "i_5": i_5}) == row * 64 + (col ^ ((row & 3) << 3))
+
+
 @needs_nvcc
 @pytest.mark.slow
 # nvcc takes seconds per kernel: one per new layout (128-column slices + shared-memory scales; 2 warpgroups;
@@ -372,7 +419,7 @@ def test_ws_tiling_validation_and_defaults():
     [
         t
         for t in NEW_WS + K_GROUPS
-        if t.name in ("ws128x256s3_p8_ss", "ws64x256s5_k2_w2_ss", "ws64x64s8_k2_g4")
+        if t.name in ("ws128x256s3_p8_ss", "ws64x256s5_k2_w2_ss", "ws64x64s8_k2_g4", "ws64x64s8_k4_g4_ps_pr")
     ],
     ids=lambda t: t.name,
 )
