@@ -27,8 +27,6 @@ the lowered source (`with_cluster_sum`), as for the sparse decode's merge: TileL
 a peer's shared memory.
 """
 
-import re
-
 from djax.kernels.tilelang_build import with_cluster, with_device_code
 
 _CLUSTER_SUM = r"""
@@ -492,68 +490,6 @@ def decode_program(m: int, n: int, k: int, tiling):
                 group(bufs, 3, p3, c3, s3)
 
     return fp8_gemm
-
-
-_PRODUCER_ISSUE = re.compile(
-    r"      if \(tl::tl_shuffle_elect<128>\(\)\) \{\n"
-    r"((?:        full\[[^\n]*\.expect_transaction\(\d+\);\n        tl::tma_load\([AB]_desc, [^\n]*\n){2})"
-    r"      \}\n"
-)
-_INIT_END = "  }\n  tl::fence_barrier_init();\n  __syncthreads();\n"
-
-
-def with_early_ring(source: str, stages: int) -> str:
-    """The lowered k-group program with the ring's first pass (its first `stages` k blocks, at most the
-    split's) issued by the thread that initialises the barriers, right after it does, instead of by the
-    producer warpgroup after the CTA-wide barrier, register reallocation and cluster arrive (about 880
-    cycles after the CTA starts on the H200, NOTES.md). The producer's loop still waits and arrives for
-    those blocks; it only skips their loads."""
-    found = _PRODUCER_ISSUE.findall(source)
-    loops = re.findall(r"    for \(int j = 0; j < (\d+); \+\+j\) \{\n      empty\[", source)
-    if len(found) != 1 or len(loops) != 1 or source.count(_INIT_END) != 1:
-        raise NotImplementedError("unexpected producer or prologue in the lowered source")
-    first = min(stages, int(loops[0]))
-    issue = "".join(re.sub(r"\bj\b", str(j), found[0]).replace("        ", "    ") for j in range(first))
-    early = "    tl::fence_barrier_init();  // the barriers' init, before loads complete on them\n" + issue
-    at = source.index(_INIT_END)
-    source = source[:at] + early + source[at:]
-    head = "      if (tl::tl_shuffle_elect<128>()) {\n        full["
-    return source.replace(
-        head, f"      if ({first} <= j && tl::tl_shuffle_elect<128>()) {{\n        full[", 1
-    )
-
-
-_PREFETCH_SCALES = r"""
-// Starts the DRAM reads of the scales this CTA's consumers load (A's rows [0, m) and B's one row, the split's
-// k blocks [k0, k0 + KPS)) into L2 before the TMA ring's loads are issued, so that they do not queue behind
-// them (`WsTiling.prefetch_scales`).
-template <int KPS>
-__device__ __forceinline__ void djax_prefetch_scales(const float* as, const float* bs, int m, int kb, int brow,
-                                                     int k0) {
-  const int t = threadIdx.x;
-  const float* p = t < m ? as + (size_t)t * kb + k0 : (t == 64 ? bs + (size_t)brow * kb + k0 : nullptr);
-  if (p != nullptr) {
-    asm volatile("prefetch.global.L2 [%0];" ::"l"(p));
-    asm volatile("prefetch.global.L2 [%0];" ::"l"(p + KPS - 1));  // the row's last line, if another
-  }
-}
-"""
-
-
-def with_scale_prefetch(source: str, m: int, k: int, block_n: int, split: int) -> str:
-    """The lowered k-group program with `djax_prefetch_scales` called by every thread first thing, ahead of
-    the barriers' init and the ring's first loads."""
-    head = "  if (tl::tl_shuffle_elect<0>()) {\n    tl::prefetch_tma_descriptor(A_desc);\n"
-    if source.count(head) != 1:
-        raise NotImplementedError("unexpected prologue in the lowered source")
-    kb = k // 128
-    kps = kb // split
-    call = (
-        f"  djax_prefetch_scales<{kps}>(AS, BS, {m}, {kb}, ((int)blockIdx.x) * {block_n} / 128, "
-        f"((int)blockIdx.z) * {kps});\n"
-    )
-    at = source.index(head)
-    return with_device_code(source[:at] + call + source[at:], _PREFETCH_SCALES)
 
 
 def with_cluster_sum(source: str, name: str, split: int, push: bool = False) -> str:

@@ -106,10 +106,7 @@ class WsTiling:
 
     `push_regs` (with push_sum): the values go to their owner straight from the accumulator registers
     (st.async into its shared memory), and the owner's warpgroups each add up a share of its columns: no
-    staging of the whole tile, no proxy fence, no bulk copy (`djax_push_regs`).
-
-    `early_ring` (k_groups > 1): the ring's first pass of TMA loads is issued by the thread that initialises
-    the barriers, right after it does (`fp8_decode_tilelang.with_early_ring`)."""
+    staging of the whole tile, no proxy fence, no bulk copy (`djax_push_regs`)."""
 
     block_m: int
     block_n: int
@@ -123,8 +120,6 @@ class WsTiling:
     early_store: bool = False
     push_sum: bool = False
     push_regs: bool = False
-    early_ring: bool = False
-    prefetch_scales: bool = False
 
     @property
     def consumer_wgs(self) -> int:
@@ -162,8 +157,6 @@ class WsTiling:
         tail += "_es" if self.early_store else ""
         tail += "_ps" if self.push_sum else ""
         tail += "_pr" if self.push_regs else ""
-        tail += "_er" if self.early_ring else ""
-        tail += "_pf" if self.prefetch_scales else ""
         return f"ws{self.block_m}x{self.block_n}s{self.stages}{tail}"
 
 
@@ -257,23 +250,6 @@ WS_VARIANTS = {  # tilings worth timing (measured best first, then the newer one
         # pushed straight from the accumulator registers (st.async), each group adding up a share of the columns
         WsTiling(64, 64, 8, split_k=2, k_groups=2, push_sum=True, push_regs=True),
         WsTiling(64, 64, 8, split_k=4, k_groups=4, push_sum=True, push_regs=True),
-        # the ring's first pass issued by the thread that initialises the barriers
-        WsTiling(64, 64, 8, split_k=2, k_groups=2, push_sum=True, push_regs=True, early_ring=True),
-        WsTiling(64, 32, 8, k_groups=4, early_ring=True),
-        # the scales' DRAM reads started before the ring's loads
-        WsTiling(64, 64, 8, split_k=2, k_groups=2, push_sum=True, push_regs=True, prefetch_scales=True),
-        WsTiling(
-            64,
-            64,
-            8,
-            split_k=2,
-            k_groups=2,
-            push_sum=True,
-            push_regs=True,
-            early_ring=True,
-            prefetch_scales=True,
-        ),
-        WsTiling(64, 32, 8, k_groups=4, prefetch_scales=True),
     ),
 }
 
@@ -407,10 +383,8 @@ def check_ws_tiling(m: int, n: int, k: int, tiling: WsTiling) -> None:
         )
     if (k // BLOCK) % tiling.split_k:
         raise ValueError(f"split_k={tiling.split_k} does not divide the {k // BLOCK} k blocks")
-    if tiling.push_sum or tiling.push_regs or tiling.early_ring or tiling.prefetch_scales:
-        raise ValueError(
-            f"push_sum, push_regs, early_ring and prefetch_scales are for the k-group program: {tiling}"
-        )
+    if tiling.push_sum or tiling.push_regs:
+        raise ValueError(f"push_sum is for the k-group decode program (k_groups > 1): {tiling}")
     if tiling.early_store and (tiling.slices != 2 or tiling.split_k > 1 or not tiling.by_rows):
         raise ValueError(f"early_store needs two 128-column slices per warpgroup and no split of k: {tiling}")
     if tiling.smem_scales and (k // BLOCK) % 4:
@@ -628,14 +602,6 @@ def lower_ws(m: int, n: int, k: int, tiling: WsTiling | None = None) -> tuple[st
         from djax.kernels.fp8_decode_tilelang import with_cluster_sum
 
         source = with_cluster_sum(source, launch["name"], tiling.split_k, tiling.push_sum)
-    if tiling.early_ring:
-        from djax.kernels.fp8_decode_tilelang import with_early_ring
-
-        source = with_early_ring(source, tiling.stages)
-    if tiling.prefetch_scales:
-        from djax.kernels.fp8_decode_tilelang import with_scale_prefetch
-
-        source = with_scale_prefetch(source, m, k, tiling.block_n, tiling.split_k)
     if tiling.early_store:
         source = with_early_store(source)
     return source, {**launch, "params": params_from_tilelang(fn, host_fn, _PARAMS)}
