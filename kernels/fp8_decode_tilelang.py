@@ -340,41 +340,20 @@ def decode_program(m: int, n: int, k: int, tiling):
     def push_end(C, sums, xfer, bars, bx, bz, tx, g, acc):
         """Consumer warpgroup g's end with the pushed sum: its accumulator staged in `sums` (every group's,
         in turn; `xfer` receives the other splits' values, completing bars[0]; bars[1] counts the other
-        splits done with this one's), then `djax_push_sum` with every consumer thread. The split is
-        blockIdx.z (the cluster spans z), not the cluster-rank register, which TileLang reads at every use."""
-        if tiling.push_regs:  # straight from the registers: `sums` is `loc` there
-            T.call_extern(
-                "handle",
-                f"djax_push_regs<{split}, {kg}, {bn}, {g}>",
-                C.data,
-                m,
-                n,
-                bx * bn,
-                acc.data,
-                T.address_of(xfer[0]),
-                T.address_of(sums[0]),
-                bars[0],
-                bars[1],
-                bz,
-                tx,
-            )
+        splits done with this one's), then `djax_push_sum` with every consumer thread; with push_regs nothing
+        is staged first and `djax_push_regs` takes the accumulator itself (`sums` holds only the split's rows
+        there). The split is blockIdx.z (the cluster spans z), not the cluster-rank register, which TileLang
+        reads at every use."""
+        if tiling.push_regs:
+            fn = f"djax_push_regs<{split}, {kg}, {bn}, {g}>"
+            values = (acc.data, T.address_of(xfer[0]), T.address_of(sums[0]))
         else:
             for r, c in T.Parallel(64, bn):
                 sums[g * 64 * bn + r * bn + T.bitwise_xor(c, (r & 3) * 8)] = acc[r, c]
-            T.call_extern(
-                "handle",
-                f"djax_push_sum<{split}, {kg}, {bn}>",
-                C.data,
-                m,
-                n,
-                bx * bn,
-                T.address_of(sums[0]),
-                T.address_of(xfer[0]),
-                bars[0],
-                bars[1],
-                bz,
-                tx,
-            )
+            fn = f"djax_push_sum<{split}, {kg}, {bn}>"
+            values = (T.address_of(sums[0]), T.address_of(xfer[0]))
+        # both take the output first and the barriers, split and thread last
+        T.call_extern("handle", fn, C.data, m, n, bx * bn, *values, bars[0], bars[1], bz, tx)
 
     @T.macro
     def consumer(
