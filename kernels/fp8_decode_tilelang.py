@@ -305,18 +305,12 @@ def decode_program(m: int, n: int, k: int, tiling):
     push = tiling.push_sum
     rows = 64 // split  # rows of the tile each split stores
 
-    def kblock(bz, j):
-        """The k block of split bz's j-th: the splits take contiguous ranges, or with interleave_splits turns
-        (the splits of a cluster then read neighbouring 128-byte pieces of each weight row at about the same
-        time)."""
-        return j * split + bz if tiling.interleave_splits else bz * kps + j
-
     @T.macro
     def produce(A, B, a_s, b_s, full, empty, bx, bz):
         for j in T.serial(kps):
             st = j % ns
             T.barrier_wait(empty[st], ((j // ns) & 1) ^ 1)
-            k0 = kblock(bz, j) * BLOCK
+            k0 = (bz * kps + j) * BLOCK
             T.tma_copy(A[0:64, k0 : k0 + BLOCK], a_s[st, :, :], barrier=full[st])
             T.tma_copy(B[bx * bn : bx * bn + bn, k0 : k0 + BLOCK], b_s[st, :, :], barrier=full[st])
             T.barrier_arrive(full[st])
@@ -326,9 +320,9 @@ def decode_program(m: int, n: int, k: int, tiling):
         # this group's scales, all loaded at once into shared memory (one round trip, not one per k block);
         # rows past m read as 0, turns past the split's last block repeat its scales (never used)
         for i, r in T.Parallel(turns, 64):
-            sa[g, i, r] = AS[r, kblock(bz, T.min(i * kg + g, kps - 1))]
+            sa[g, i, r] = AS[r, bz * kps + T.min(i * kg + g, kps - 1)]
         for i in T.Parallel(turns):
-            sb[g, i] = BS[bx * bn // BLOCK, kblock(bz, T.min(i * kg + g, kps - 1))]
+            sb[g, i] = BS[bx * bn // BLOCK, bz * kps + T.min(i * kg + g, kps - 1)]
         T.clear(acc)
         for i in T.serial(turns):
             j = i * kg + g

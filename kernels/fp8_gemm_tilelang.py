@@ -106,10 +106,7 @@ class WsTiling:
 
     `push_regs` (with push_sum): the values go to their owner straight from the accumulator registers
     (st.async into its shared memory), and the owner's warpgroups each add up a share of its columns: no
-    staging of the whole tile, no proxy fence, no bulk copy (`djax_push_regs`).
-
-    `interleave_splits` (the k-group program): split z takes the k blocks z, z + split_k, ... instead of a
-    contiguous range."""
+    staging of the whole tile, no proxy fence, no bulk copy (`djax_push_regs`)."""
 
     block_m: int
     block_n: int
@@ -123,7 +120,6 @@ class WsTiling:
     early_store: bool = False
     push_sum: bool = False
     push_regs: bool = False
-    interleave_splits: bool = False
 
     @property
     def consumer_wgs(self) -> int:
@@ -161,7 +157,6 @@ class WsTiling:
         tail += "_es" if self.early_store else ""
         tail += "_ps" if self.push_sum else ""
         tail += "_pr" if self.push_regs else ""
-        tail += "_il" if self.interleave_splits else ""
         return f"ws{self.block_m}x{self.block_n}s{self.stages}{tail}"
 
 
@@ -255,8 +250,6 @@ WS_VARIANTS = {  # tilings worth timing (measured best first, then the newer one
         # pushed straight from the accumulator registers (st.async), each group adding up a share of the columns
         WsTiling(64, 64, 8, split_k=2, k_groups=2, push_sum=True, push_regs=True),
         WsTiling(64, 64, 8, split_k=4, k_groups=4, push_sum=True, push_regs=True),
-        # the splits' k blocks dealt out in turn rather than in ranges
-        WsTiling(64, 64, 8, split_k=2, k_groups=2, push_sum=True, push_regs=True, interleave_splits=True),
     ),
 }
 
@@ -390,8 +383,8 @@ def check_ws_tiling(m: int, n: int, k: int, tiling: WsTiling) -> None:
         )
     if (k // BLOCK) % tiling.split_k:
         raise ValueError(f"split_k={tiling.split_k} does not divide the {k // BLOCK} k blocks")
-    if tiling.push_sum or tiling.push_regs or tiling.interleave_splits:
-        raise ValueError(f"push_sum, push_regs and interleave_splits are for the k-group program: {tiling}")
+    if tiling.push_sum or tiling.push_regs:
+        raise ValueError(f"push_sum is for the k-group decode program (k_groups > 1): {tiling}")
     if tiling.early_store and (tiling.slices != 2 or tiling.split_k > 1 or not tiling.by_rows):
         raise ValueError(f"early_store needs two 128-column slices per warpgroup and no split of k: {tiling}")
     if tiling.smem_scales and (k // BLOCK) % 4:

@@ -273,14 +273,9 @@ def test_ws_k_groups_lower(tiling, m):
         sums = f"djax_cluster_sum<{tiling.split_k}, {tiling.block_n}, {128 * tiling.k_groups}>(C,"
         assert src.count(sums) == (tiling.k_groups if clustered else 0)
         assert src.count("tl::cluster_arrive_relaxed();") == (tiling.k_groups + 1 if clustered else 0)
-    # the k coordinate of B's loads: split z's j-th block is z kps + j, or j split_k + z interleaved
-    kps, z = k // 128 // tiling.split_k, "((int)blockIdx.z)"
-    if tiling.split_k == 1:
-        step = "(j * 128)"
-    elif tiling.interleave_splits:
-        step = f"((j * {128 * tiling.split_k}) + ({z} * 128))"
-    else:
-        step = f"(({z} * {kps * 128}) + (j * 128))"
+    # the k coordinate of B's loads: split z's j-th block is z kps + j
+    kps = k // 128 // tiling.split_k
+    step = "(j * 128)" if tiling.split_k == 1 else f"((((int)blockIdx.z) * {kps * 128}) + (j * 128))"
     assert step in src.split("tl::tma_load(B_desc", 1)[1].split("\n", 1)[0]
     assert src.count("warpgroup_reg_alloc") == tiling.k_groups
     maps = {p.buffer: p for p in launch["params"] if isinstance(p, tma.TensorMap)}
@@ -365,7 +360,7 @@ def test_ws_tiling_validation_and_defaults():
         check_ws_tiling(
             64, 4096, 7168, WsTiling(64, 64, 6, split_k=2, k_groups=3, push_sum=True, push_regs=True)
         )
-    with pytest.raises(ValueError, match="are for the k-group program"):
+    with pytest.raises(ValueError, match="push_sum is for"):
         check_ws_tiling(64, 4096, 7168, WsTiling(64, 64, 8, split_k=2, push_regs=True))
     assert pr.name == "ws64x64s8_k4_g4_ps_pr"
     with pytest.raises(ValueError, match="push_sum"):  # nothing to push without a split
