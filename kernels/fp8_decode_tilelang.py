@@ -177,19 +177,19 @@ __device__ __forceinline__ void djax_push_sum(const bfloat16_t* out_ro, int m, i
 
 _PUSH_REGS = r"""
 // The pushed sum straight from the accumulator registers (`WsTiling.push_regs`), called by every consumer
-// thread right after its k loop, with `acc` its NREG = BN / 2 accumulator registers in wgmma's layout
-// (warp w of a warpgroup holds rows 16 w .. 16 w + 15; register i of lane l: row 16 w + l / 4 + 8 ((i / 2) % 2),
-// column 8 (i / 4) + 2 (l % 4) + i % 2). Warps whose rows another split stores send all their registers
-// there by st.async (from registers into the owner's `recv`, completing bytes on its `recv_bar`). Warps of
-// this split's rows sum: group g takes register quads [g Q, (g + 1) Q), Q = NREG / 4 / KG, and stages the
-// other groups' quads in its slot of `loc`; every buffer is laid out [quad][warp of the rows][lane] x float4, so each
-// thread reads and writes 16 contiguous bytes beside its lane's (no bank conflicts) and reads back exactly
-// the registers of its own (row, column) positions. No staging of the whole tile, no proxy fence, no bulk
-// copy.
+// thread right after its k loop, with `acc` its NREG = BN / 2 accumulator registers in wgmma's layout (warp w
+// of a warpgroup holds rows 16 w .. 16 w + 15; register i of lane l: row 16 w + l / 4 + 8 ((i / 2) % 2),
+// column 8 (i / 4) + 2 (l % 4) + i % 2). Warps whose rows another split stores send all their registers there
+// by st.async (from registers into the owner's `recv`, completing bytes on its `recv_bar`). Warps of this
+// split's rows sum: group g takes register quads [g Q, (g + 1) Q), Q = NREG / 4 / KG, and stages the other
+// groups' quads in its slot of `loc`. Every buffer is laid out [quad][warp of the rows][lane] x float4, so
+// each thread reads and writes 16 contiguous bytes beside its lane's (no bank conflicts) and reads back
+// exactly the registers of its own (row, column) positions. No staging of the whole tile, no proxy fence,
+// no bulk copy.
 template <int SPLIT, int KG, int BN, int G>
-__device__ __forceinline__ void djax_push_regs(const bfloat16_t* out_ro, int m, int n, int col0, const float* acc,
-                                               const float* recv, const float* loc_ro, Barrier& recv_bar,
-                                               Barrier& done_bar, int rank, int tid) {
+__device__ __forceinline__ void djax_push_regs(const bfloat16_t* out_ro, int m, int n, int col0,
+                                               const float* acc, const float* recv, const float* loc_ro,
+                                               Barrier& recv_bar, Barrier& done_bar, int rank, int tid) {
   // TileLang declares the output const: this function is the only writer it does not see
   bfloat16_t* out = const_cast<bfloat16_t*>(out_ro);
   float* loc = const_cast<float*>(loc_ro);
@@ -200,8 +200,8 @@ __device__ __forceinline__ void djax_push_regs(const bfloat16_t* out_ro, int m, 
   auto at = [&](int q) { return ((q * WR + wl) * 32 + lane) * 4; };  // quad q's float offset in a slot
   if (owner != rank) {
     uint32_t bar = djax_peer((uint32_t)__cvta_generic_to_shared(&recv_bar), owner);
-    uint32_t dst = djax_peer((uint32_t)__cvta_generic_to_shared(recv + djax_push_slot<SPLIT, KG, BN>(rank, owner, g)),
-                             owner);
+    const float* slot = recv + djax_push_slot<SPLIT, KG, BN>(rank, owner, g);
+    uint32_t dst = djax_peer((uint32_t)__cvta_generic_to_shared(slot), owner);
 #pragma unroll
     for (int q = 0; q < NQ; ++q) {
       asm volatile(
@@ -215,9 +215,12 @@ __device__ __forceinline__ void djax_push_regs(const bfloat16_t* out_ro, int m, 
   }
 #pragma unroll
   for (int q = 0; q < NQ; ++q) {  // the other groups' quads, for them
-    if (q / Q != g) *reinterpret_cast<float4*>(loc + g * SLOT + at(q)) = *reinterpret_cast<const float4*>(acc + 4 * q);
+    if (q / Q != g) {
+      *reinterpret_cast<float4*>(loc + g * SLOT + at(q)) = *reinterpret_cast<const float4*>(acc + 4 * q);
+    }
   }
-  asm volatile("bar.sync 11, %0;" ::"n"(KG * WR * 32) : "memory");  // every group's staging of this split's rows
+  // every group's staging of this split's rows
+  asm volatile("bar.sync 11, %0;" ::"n"(KG * WR * 32) : "memory");
   float4 v[Q][SPLIT * KG - 1];  // every value loaded before any is added
 #pragma unroll
   for (int j = 0; j < Q; ++j) {
@@ -233,15 +236,19 @@ __device__ __forceinline__ void djax_push_regs(const bfloat16_t* out_ro, int m, 
     uint32_t bar = (uint32_t)__cvta_generic_to_shared(&done_bar);
 #pragma unroll
     for (int o = 0; o < SPLIT; ++o) {
-      if (o != rank)
-        asm volatile("mbarrier.arrive.relaxed.cluster.shared::cluster.b64 _, [%0];" ::"r"(djax_peer(bar, o)) : "memory");
+      if (o != rank) {
+        asm volatile("mbarrier.arrive.relaxed.cluster.shared::cluster.b64 _, [%0];" ::"r"(djax_peer(bar, o))
+                     : "memory");
+      }
     }
   }
 #pragma unroll
   for (int j = 0; j < Q; ++j) {
     int q = g * Q + j;
 #pragma unroll
-    for (int s = 0; s < (SPLIT - 1) * KG; ++s) v[j][KG - 1 + s] = *reinterpret_cast<const float4*>(recv + s * SLOT + at(q));
+    for (int s = 0; s < (SPLIT - 1) * KG; ++s) {
+      v[j][KG - 1 + s] = *reinterpret_cast<const float4*>(recv + s * SLOT + at(q));
+    }
   }
   const int r0 = 16 * w + lane / 4;
 #pragma unroll
