@@ -90,6 +90,18 @@ __device__ __forceinline__ uint32_t djax_peer(uint32_t local, int peer) {  // th
   return remote;
 }
 
+template <int SPLIT>
+__device__ __forceinline__ void djax_arrive_at_peers(Barrier& bar, int rank) {  // that barrier of every other split
+  uint32_t local = (uint32_t)__cvta_generic_to_shared(&bar);
+#pragma unroll
+  for (int o = 0; o < SPLIT; ++o) {
+    if (o != rank) {
+      asm volatile("mbarrier.arrive.relaxed.cluster.shared::cluster.b64 _, [%0];" ::"r"(djax_peer(local, o))
+                   : "memory");
+    }
+  }
+}
+
 template <int BN>
 __device__ __forceinline__ int djax_push_at(int item) {  // where 4-column group `item` of the rows sits
   int rr = item / (BN / 4);
@@ -136,14 +148,7 @@ __device__ __forceinline__ void djax_push_sum(const bfloat16_t* out_ro, int m, i
   recv_bar.wait(0);
   // this split's bytes have all landed, so its copies out of the other splits' `xs` are done: tell them now,
   // while this split adds and stores
-  if (tid == 0) {
-    uint32_t bar = (uint32_t)__cvta_generic_to_shared(&done_bar);
-#pragma unroll
-    for (int o = 0; o < SPLIT; ++o) {
-      if (o == rank) continue;
-      asm volatile("mbarrier.arrive.relaxed.cluster.shared::cluster.b64 _, [%0];" ::"r"(djax_peer(bar, o)) : "memory");
-    }
-  }
+  if (tid == 0) djax_arrive_at_peers<SPLIT>(done_bar, rank);
 #pragma unroll
   for (int it = 0; it < ITERS; ++it) {
     int i = tid + it * THREADS;
@@ -231,17 +236,8 @@ __device__ __forceinline__ void djax_push_regs(const bfloat16_t* out_ro, int m, 
     }
   }
   recv_bar.wait(0);
-  if (g == 0 && wl == 0 && lane == 0) {
-    // every other split's bytes have landed here: tell them they may exit
-    uint32_t bar = (uint32_t)__cvta_generic_to_shared(&done_bar);
-#pragma unroll
-    for (int o = 0; o < SPLIT; ++o) {
-      if (o != rank) {
-        asm volatile("mbarrier.arrive.relaxed.cluster.shared::cluster.b64 _, [%0];" ::"r"(djax_peer(bar, o))
-                     : "memory");
-      }
-    }
-  }
+  // every other split's bytes have landed here: tell them they may exit
+  if (g == 0 && wl == 0 && lane == 0) djax_arrive_at_peers<SPLIT>(done_bar, rank);
 #pragma unroll
   for (int j = 0; j < Q; ++j) {
     int q = g * Q + j;

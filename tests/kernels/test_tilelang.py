@@ -393,7 +393,6 @@ def test_ws_tiling_validation_and_defaults():
 
 
 @needs_tilelang
-@needs_tilelang
 @needs_cuda_h
 def test_accumulator_layout_is_the_one_push_regs_assumes():
     """djax_push_regs reads the accumulator's registers by position: register i of lane l in warp w holds row
@@ -414,6 +413,7 @@ def test_accumulator_layout_is_the_one_push_regs_assumes():
             assert eval(index, {}, {"tx": tx, "i_5": i_5}) == row * 64 + (col ^ ((row & 3) << 3))
 
 
+@needs_tilelang
 @needs_nvcc
 @pytest.mark.slow
 # nvcc takes seconds per kernel: one per new layout (128-column slices + shared-memory scales; 2 warpgroups;
