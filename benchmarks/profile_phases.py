@@ -101,7 +101,7 @@ def decode_source():
                      f"if (i_2 == {turns - 1}) djax_t[5] = clock64(); }}")  # fmt: skip
     # each group's call of the exchange, once its sum is staged (group 0's comes first in the source)
     calls = re.findall(r"      djax_push_(?:sum|regs)<[^\n]*\n", s)
-    if len(calls) != 2 or calls[0][:20] != calls[1][:20]:
+    if len(calls) != 2 or calls[0].split("<")[0] != calls[1].split("<")[0]:  # one function, once per group
         raise NotImplementedError("unexpected calls of the cluster's sum in the lowered source")
     first = s.index(calls[0])
     second = s.index(calls[1], first + 1)
