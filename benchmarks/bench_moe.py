@@ -196,8 +196,8 @@ def timing_sets(m: int) -> int:
 
 
 def fp8_cases(record, small: bool):
-    """FP8 block-scaled: dense (m x 4096 x 7168, and 64 x 4096 x 4096), grouped contiguous and masked at the MoE
-    w1 shape."""
+    """FP8 block-scaled: dense (m x 4096 x 7168 at m 64, 8, 1 and 4096, 64 x 4096 x 4096, m x 7168 x 4096 at m 64
+    and 8), grouped contiguous and masked at the MoE w1 shape."""
     from djax.kernels.fp8_gemm_triton import Fp8Config, dense_config, split_k
 
     # decode (m = 64): 64-row tiles (the smallest wgmma M) with narrower N tiles and K splits give
@@ -224,7 +224,17 @@ def fp8_cases(record, small: bool):
 
     f32 = jnp.float32
     for m, n, kk in (
-        [(64, 4096, 7168), (64, 4096, 4096), (4096, 4096, 7168)] if not small else [(40, 64, 256)]
+        [
+            (64, 4096, 7168),
+            (64, 4096, 4096),
+            (8, 4096, 7168),
+            (1, 4096, 7168),
+            (64, 7168, 4096),
+            (8, 7168, 4096),
+        ]
+        + [(4096, 4096, 7168)]
+        if not small
+        else [(40, 64, 256)]
     ):
         sets = []
         for s in range(timing_sets(m)):

@@ -283,9 +283,10 @@ def decode_program(m: int, n: int, k: int, tiling):
     f32[m, k/128] per row and k block, b_scale f32[n/128, k/128] per 128x128 block), m <= 64.
 
     Grid (n / block_n, 1, split_k), 128 (k_groups + 1) threads:
-    - producer warpgroup (the last 128 threads): per k block of the split, TMA loads of A's 64 rows (rows
-      past m arrive as zeros) and B's block_n rows into a `stages`-deep ring; `full[s]` completes when the
-      bytes land, `empty[s]` when the warpgroup that took the block is done with it.
+    - producer warpgroup (the last 128 threads): per k block of the split, TMA loads of A's m rows (the
+      shared rows past m are never written; their results are not stored) and B's block_n rows into a
+      `stages`-deep ring; `full[s]` completes when the bytes land, `empty[s]` when the warpgroup that took
+      the block is done with it.
     - consumer warpgroup g: k blocks g, g + k_groups, ... of the split, each one wgmma chain (64 x block_n
       x 128) and its promotion (x activation scale x weight scale) into its own accumulator; then groups
       1.. write theirs to shared memory and group 0 adds them up.
@@ -307,6 +308,7 @@ def decode_program(m: int, n: int, k: int, tiling):
     consumer_regs = consumer_registers(kg)
     push = tiling.push_sum
     rows = 64 // split  # rows of the tile each split stores
+    a_rows = min(64, m)  # rows in A's TMA box: only those A has (see WsTiling)
 
     @T.macro
     def produce(A, B, a_s, b_s, full, empty, bx, bz):
@@ -314,7 +316,7 @@ def decode_program(m: int, n: int, k: int, tiling):
             st = j % ns
             T.barrier_wait(empty[st], ((j // ns) & 1) ^ 1)
             k0 = (bz * kps + j) * BLOCK
-            T.tma_copy(A[0:64, k0 : k0 + BLOCK], a_s[st, :, :], barrier=full[st])
+            T.tma_copy(A[0:a_rows, k0 : k0 + BLOCK], a_s[st, 0:a_rows, :], barrier=full[st])
             T.tma_copy(B[bx * bn : bx * bn + bn, k0 : k0 + BLOCK], b_s[st, :, :], barrier=full[st])
             T.barrier_arrive(full[st])
 

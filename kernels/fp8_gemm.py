@@ -73,7 +73,8 @@ def auto_takes_tilelang(a, b, out_dtype) -> bool:
     """Whether impl="auto" runs the TileLang "ws" kernel: on CUDA with TileLang (and nvcc) installed, for fp8
     e4m3 operands with n and k multiples of 128 and a bf16 result, where it was measured faster than Triton:
     at prefill when the default tiling's CTAs fill the GPU at least twice over (at 128x256 tiles and n 4,096:
-    m above 2,048), at decode (m <= 64) where the default tiling is the k-group kernel (n 4096, k 7168 or 4096).
+    m above 2,048), at decode (m <= 64) where the default tiling is the k-group kernel (n 4096 with k 7168 or
+    4096, n 7168 with k 4096).
 
     H200, 2026-12-01 (device time): TileLang 1,169 TFLOP/s at 4096x4096x4096 (512 CTAs) and 1,238 at
     4096x7168x7168 (896 CTAs; bench_tilelang.py), Triton 928 at 4096x4096x7168 (bench_kernels.py); at m 64,
@@ -81,10 +82,12 @@ def auto_takes_tilelang(a, b, out_dtype) -> bool:
     (kernels_h200_fp8_kgroups.json); 2026-12-02, with the cluster's sum pushed
     (kernels_h200_fp8_push_early.json): 11.17 against 12.87 us at k 7168, 7.97 against 9.64 (Triton's best
     configuration there 9.39) at k 4096; pushed from the registers (kernels_h200_fp8_push_regs.json): 10.84
-    against 12.97 and 7.86 against 9.60. Between m = 64 and 4,096 neither was measured: there the TileLang
-    tiles, twice as wide, leave more SMs idle than Triton's, so those m stay on Triton, as do the other decode
-    shapes (within a few percent of Triton, which compiles a new shape faster: each TileLang program is
-    specialised to its (m, n, k))."""
+    against 12.97 and 7.86 against 9.60; 2026-12-03, with A's TMA box cut to A's rows
+    (kernels_h200_fp8_trim_n7168.json): at k 7168 10.68 against 12.97 (m 64), 10.13 against 11.30 (m 8), 9.61
+    against 10.87 (m 1); at n 7168, k 4096 13.70 against 16.03 (m 64), 12.37 against 13.25 (m 8). Between
+    m = 64 and 4,096 neither was measured: there the TileLang tiles, twice as wide, leave more SMs idle than
+    Triton's, so those m stay on Triton, as do the other decode shapes (within a few percent of Triton, which
+    compiles a new shape faster: each TileLang program is specialised to its (m, n, k))."""
     from djax.kernels.fp8_gemm_tilelang import default_ws_tiling
 
     m, k = a.shape

@@ -106,7 +106,12 @@ class WsTiling:
 
     `push_regs` (with push_sum): the values go to their owner straight from the accumulator registers
     (st.async into its shared memory), and the owner's warpgroups each add up a share of its columns: no
-    staging of the whole tile, no proxy fence, no bulk copy (`djax_push_regs`)."""
+    staging of the whole tile, no proxy fence, no bulk copy (`djax_push_regs`).
+
+    With m under block_m (decode), A's TMA box (and with smem_scales its scales') spans A's m rows, not
+    block_m: a box reaching past the end of A is filled slowly (at m 8, n 4096, k 7168 the decode GEMM took
+    14.3-14.6 us with 64-row boxes and 9.9-10.1 with 8 on the H200). The shared rows past m are never written
+    and the accumulator rows they feed never stored."""
 
     block_m: int
     block_n: int
@@ -185,7 +190,10 @@ MEASURED_WS_BEST = {
     # the same: 8.03-8.12 us against 8.86-8.94 for 64x64 split 2 summed by XLA and 8.17-8.46 pulled; with the
     # early arrive 7.99-8.19 against 8.10-8.27; from the registers 7.53-7.72 against 7.98-8.07
     ("decode", 4096, 4096): WsTiling(64, 64, 8, split_k=2, k_groups=2, push_sum=True, push_regs=True),
-    ("decode", 7168, 4096): WsTiling(64, 128, 8, smem_scales=True),  # 13.9 us
+    # the register push, side by side with 64x128 and scales in shared memory (13.9 us in that first run), five
+    # rounds (tilelang_fp8_gemm_h200_decode_n7168_ab.json): at m 64 13.23-13.58 us against 13.82-14.07, at m 8
+    # 12.20-12.38 against 13.78-14.04, at m 1 12.03-12.23 against 13.77-13.87
+    ("decode", 7168, 4096): WsTiling(64, 64, 8, split_k=2, k_groups=2, push_sum=True, push_regs=True),
 }
 
 
@@ -419,6 +427,7 @@ def ws_program(m: int, n: int, k: int, tiling: WsTiling):
     policy = T.GemmWarpPolicy.FullRow if tiling.by_rows else T.GemmWarpPolicy.FullCol
     fp8, f32 = "float8_e4m3fn", "float32"
     out_shape, out_dtype = ((split, m, n), f32) if split > 1 else ((m, n), "bfloat16")
+    a_rows = min(bm, m)  # rows in A's TMA box: m when it is one partial tile (see WsTiling)
 
     A_t, AS_t, B_t, BS_t, C_t = operand_types(T, m, n, k, out_shape, out_dtype)
 
@@ -467,8 +476,11 @@ def ws_program(m: int, n: int, k: int, tiling: WsTiling):
             c1_s = T.alloc_shared((bm, sw), out_dtype)
             if tiling.panel:
                 T.use_swizzle(tiling.panel)
-            if ss:  # the whole k range's scales, once (TMA; rows past m fill with 0)
-                T.copy(AS[by * bm, bz * kps], as_s)
+            if ss:  # the whole k range's scales, once (TMA; rows past m in a later tile row fill with 0)
+                if a_rows < bm:
+                    T.copy(AS[0:a_rows, bz * kps : bz * kps + kss], as_s[0:a_rows, :])
+                else:
+                    T.copy(AS[by * bm, bz * kps], as_s)
                 T.copy(BS[bx * bn // BLOCK, bz * kps], bs_s)
             if tiling.scales_ahead:
                 load_ahead(AS, BS, ahead_a, ahead_b, ahead_b1, bx, by, bz * kps)
@@ -477,7 +489,10 @@ def ws_program(m: int, n: int, k: int, tiling: WsTiling):
                 T.clear(acc1)
             for j in T.Pipelined(kps, num_stages=stages):
                 i = bz * kps + j
-                T.copy(A[by * bm, i * BLOCK], a_s)
+                if a_rows < bm:
+                    T.copy(A[0:a_rows, i * BLOCK : i * BLOCK + BLOCK], a_s[0:a_rows, :])
+                else:
+                    T.copy(A[by * bm, i * BLOCK], a_s)
                 T.copy(B[bx * bn, i * BLOCK], b_s)
                 if sliced:
                     T.copy(B[bx * bn + sw, i * BLOCK], b1_s)

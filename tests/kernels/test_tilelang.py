@@ -202,11 +202,19 @@ def test_ws_new_layouts_lower(tiling, m):
     )
     assert launch["shared_bytes"] <= 227 * 1024  # the H200's opt-in limit per block
     maps = {p.buffer: p for p in launch["params"] if isinstance(p, tma.TensorMap)}
+    # A's box: m rows when A is one partial tile (no box past A's end), else the tile's block_m
+    rows = min(m, tiling.block_m)
+    assert maps[0].box == (128, rows) and re.search(rf"expect_t\w*\({rows * 128}\);", src)
     if tiling.smem_scales:
         # each scale tile arrives once, by a tensor map or (a contiguous, in-bounds region) a 1-D bulk copy
-        assert {0, 2, 4} <= set(maps) and 1 in maps  # rows past m: only a tensor map zero-fills them
+        assert {0, 2, 4} <= set(maps)
         kss = -(-(k // 128 // tiling.split_k) // 4) * 4
-        assert (maps[1].dtype, maps[1].dims, maps[1].box) == (7, (k // 128, m), (kss, tiling.block_m))
+        if m > tiling.block_m:  # rows past m in the last tile row: only a tensor map zero-fills them
+            assert (maps[1].dtype, maps[1].dims, maps[1].box) == (7, (k // 128, m), (kss, tiling.block_m))
+        elif 1 in maps:  # the m rows there are
+            assert (maps[1].dtype, maps[1].dims, maps[1].box) == (7, (k // 128, m), (kss, m))
+        else:
+            assert f"{m * kss * 4});" in next(ln for ln in src.splitlines() if "(&(AS[" in ln)
         for line in src.splitlines():
             if "AS[" in line or "BS[" in line:
                 assert "tma_load" in line, line
@@ -280,7 +288,9 @@ def test_ws_k_groups_lower(tiling, m):
     assert src.count("warpgroup_reg_alloc") == tiling.k_groups
     maps = {p.buffer: p for p in launch["params"] if isinstance(p, tma.TensorMap)}
     assert sorted(maps) == [0, 2] and 4 in launch["params"]  # A, B by TMA; the bf16 result a pointer
-    assert maps[0].box == (128, 64) and maps[2].box == (128, tiling.block_n)
+    # A's box spans A's rows (never past its end), B's the tile's columns
+    assert maps[0].box == (128, min(m, 64)) and maps[2].box == (128, tiling.block_n)
+    assert re.search(rf"expect_t\w*\({min(m, 64) * 128}\);", src)
     kern = tma.TmaKernel("x", launch["name"], b"", launch["grid"], launch["threads"], 0, launch["params"])
     assert tma.check(kern, _sizes(m, n, k)) == 5
     with pytest.raises(ValueError):
@@ -483,8 +493,9 @@ BF16_OUT_RTOL = 4e-4 + 2.0**-9
 
 def _ws_cases():
     shapes = {
-        # 2100x4096: 272 tiles of 128x256, more than one wave of CTAs, the last tile row partial
-        "prefill": [(200, 512, 1024), (512, 2048, 4096), (2100, 4096, 512)],
+        # 2100x4096: 272 tiles of 128x256, more than one wave of CTAs, the last tile row partial; 100 rows:
+        # one partial tile row, whose A box spans A's 100 rows
+        "prefill": [(200, 512, 1024), (512, 2048, 4096), (2100, 4096, 512), (100, 512, 1024)],
         "decode": [(64, 4096, 7168), (5, 1024, 512), (200, 1024, 1024)],
     }
     return [
@@ -526,11 +537,17 @@ def test_tilelang_ws_matches_ref_on_gpu(tiling, m, n, k):
 @needs_tilelang
 @pytest.mark.gpu
 @pytest.mark.parametrize(
-    "impl, m, n, k", [("tilelang", 200, 1024, 1024), ("auto", 2176, 4096, 512), ("auto", 64, 4096, 7168)]
+    "impl, m, n, k",
+    [
+        ("tilelang", 200, 1024, 1024),
+        ("auto", 2176, 4096, 512),
+        ("auto", 64, 4096, 7168),
+        ("auto", 8, 7168, 4096),
+    ],
 )
 def test_tilelang_ws_default_through_public_op_in_a_loop(impl, m, n, k):
     """impl="tilelang", variant="ws" (or "auto", which takes it at a shape of 272 tiles, and at decode as the
-    k-group kernel whose splits meet in a cluster) through the public op, called twice inside one jit over
+    k-group kernel whose splits meet in a cluster, at 8 rows too) through the public op, called twice inside one jit over
     different buffers (fresh descriptors per call), and inside a scan (XLA may run it from a command
     buffer)."""
     if jax.default_backend() != "gpu":
