@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import argparse
 import datetime
+import functools
 import json
 import os
 import tempfile
@@ -183,6 +184,7 @@ def run(
     only: tuple[str, ...] = ("attn", "index", "topk", "moe", "fp8"),
     attn_batches: tuple[int, ...] = (64, 8),
     attn_sweep: bool = True,
+    fp8_shapes: tuple[tuple[int, int, int], ...] | None = None,
 ):
     dev = jax.devices()[0]
     rows, errors = [], []
@@ -484,7 +486,8 @@ def run(
                 )
             record("topk", shape, "auto", lambda x, k=k: topk(x, k), sets, 0, nbytes, tr, check)
 
-    cases = {"moe": moe_cases, "fp8": fp8_cases, "fp8_linear": fp8_linear_cases, "moe_fp8": moe_fp8_cases}
+    fp8 = functools.partial(fp8_cases, shapes=fp8_shapes) if fp8_shapes else fp8_cases
+    cases = {"moe": moe_cases, "fp8": fp8, "fp8_linear": fp8_linear_cases, "moe_fp8": moe_fp8_cases}
     for section in (s for s in cases if s in only):
         save()
         cases[section](record, small)
@@ -587,6 +590,11 @@ if __name__ == "__main__":
         "fp8_linear (not in the default: the model's FP8 projections with and without fp8_gemm), moe_fp8 (not in "
         "the default: routed experts with FP8 weights, made dense on use or read by the FP8 grouped GEMMs)",
     )
+    ap.add_argument(
+        "--fp8-shapes",
+        default="",
+        help="fp8 section: comma list of m x n x k for its dense GEMMs instead of its own (e.g. 8x4096x8192)",
+    )
     args = ap.parse_args()
     run(
         args.out,
@@ -594,4 +602,5 @@ if __name__ == "__main__":
         tuple(args.only.split(",")),
         tuple(int(b) for b in args.attn_batches.split(",")),
         not args.attn_default_only,
+        tuple(tuple(int(d) for d in s.split("x")) for s in args.fp8_shapes.split(",") if s) or None,
     )

@@ -195,9 +195,9 @@ def timing_sets(m: int) -> int:
     return 6 if m <= 64 else 2
 
 
-def fp8_cases(record, small: bool):
+def fp8_cases(record, small: bool, shapes=None):
     """FP8 block-scaled: dense (m x 4096 x 7168 at m 64, 8, 1 and 4096, 64 x 4096 x 4096, m x 7168 x 4096 at m 64
-    and 8), grouped contiguous and masked at the MoE w1 shape."""
+    and 8; or `shapes`, (m, n, k) each), grouped contiguous and masked at the MoE w1 shape."""
     from djax.kernels.fp8_gemm_triton import Fp8Config, dense_config, split_k
 
     # decode (m = 64): 64-row tiles (the smallest wgmma M) with narrower N tiles and K splits give
@@ -223,19 +223,10 @@ def fp8_cases(record, small: bool):
         return f"bm{cfg.block_m} bn{cfg.block_n} w{cfg.num_warps} st{cfg.num_stages} split{split_k(cfg)}"
 
     f32 = jnp.float32
-    for m, n, kk in (
-        [
-            (64, 4096, 7168),
-            (64, 4096, 4096),
-            (8, 4096, 7168),
-            (1, 4096, 7168),
-            (64, 7168, 4096),
-            (8, 7168, 4096),
-        ]
-        + [(4096, 4096, 7168)]
-        if not small
-        else [(40, 64, 256)]
-    ):
+    if shapes is None:
+        shapes = [(64, 4096, 7168), (64, 4096, 4096), (8, 4096, 7168), (1, 4096, 7168), (64, 7168, 4096)]
+        shapes += [(8, 7168, 4096), (4096, 4096, 7168)]
+    for m, n, kk in shapes if not small else [(40, 64, 256)]:
         sets = []
         for s in range(timing_sets(m)):
             a, a_s = quantize_act(jax.random.normal(jax.random.key(50 + s), (m, kk), f32))

@@ -73,8 +73,8 @@ def auto_takes_tilelang(a, b, out_dtype) -> bool:
     """Whether impl="auto" runs the TileLang "ws" kernel: on CUDA with TileLang (and nvcc) installed, for fp8
     e4m3 operands with n and k multiples of 128 and a bf16 result, where it was measured faster than Triton:
     at prefill when the default tiling's CTAs fill the GPU at least twice over (at 128x256 tiles and n 4,096:
-    m above 2,048), at decode (m <= 64) where the default tiling is the k-group kernel (n 4096 with k 7168 or
-    4096, n 7168 with k 4096).
+    m above 2,048), at decode (m <= 64) where the default tiling is the k-group kernel (n 4096 with k 2048,
+    4096, 7168 or 8192, n 7168 with k 4096).
 
     H200, 2026-12-01 (device time): TileLang 1,169 TFLOP/s at 4096x4096x4096 (512 CTAs) and 1,238 at
     4096x7168x7168 (896 CTAs; bench_tilelang.py), Triton 928 at 4096x4096x7168 (bench_kernels.py); at m 64,
@@ -84,10 +84,13 @@ def auto_takes_tilelang(a, b, out_dtype) -> bool:
     configuration there 9.39) at k 4096; pushed from the registers (kernels_h200_fp8_push_regs.json): 10.84
     against 12.97 and 7.86 against 9.60; 2026-12-03, with A's TMA box cut to A's rows
     (kernels_h200_fp8_trim_n7168.json): at k 7168 10.68 against 12.97 (m 64), 10.13 against 11.30 (m 8), 9.61
-    against 10.87 (m 1); at n 7168, k 4096 13.70 against 16.03 (m 64), 12.37 against 13.25 (m 8). Between
-    m = 64 and 4,096 neither was measured: there the TileLang tiles, twice as wide, leave more SMs idle than
-    Triton's, so those m stay on Triton, as do the other decode shapes (within a few percent of Triton, which
-    compiles a new shape faster: each TileLang program is specialised to its (m, n, k))."""
+    against 10.87 (m 1); at n 7168, k 4096 13.70 against 16.03 (m 64), 12.37 against 13.25 (m 8); at n 4096
+    (kernels_h200_fp8_v4flash_decode.json), k 8192 11.58 / 11.08 / 10.56 against 14.37 / 12.25 / 11.82
+    (m 64 / 8 / 1), k 2048 5.37 / 4.83 against 7.05 / 5.84 (m 64 / 8), and Triton's best configurations there
+    14.20, 12.25, 11.82, 5.95, 5.81. Between m = 64 and 4,096 neither was measured: there the TileLang tiles,
+    twice as wide, leave more SMs idle than Triton's, so those m stay on Triton, as do the other decode shapes
+    (within a few percent of Triton, which compiles a new shape faster: each TileLang program is specialised
+    to its (m, n, k))."""
     from djax.kernels.fp8_gemm_tilelang import default_ws_tiling
 
     m, k = a.shape

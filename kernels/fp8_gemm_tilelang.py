@@ -194,6 +194,12 @@ MEASURED_WS_BEST = {
     # rounds (tilelang_fp8_gemm_h200_decode_n7168_ab.json): at m 64 13.23-13.58 us against 13.82-14.07, at m 8
     # 12.20-12.38 against 13.78-14.04, at m 1 12.03-12.23 against 13.77-13.87
     ("decode", 7168, 4096): WsTiling(64, 64, 8, split_k=2, k_groups=2, push_sum=True, push_regs=True),
+    # V4-Flash's output LoRA (k 8192) and shared expert down (k 2048) projections: the same kernel against
+    # Triton's best configuration in one bench_kernels run (kernels_h200_fp8_v4flash_decode.json): k 8192 at
+    # m 1 / 8 / 64 10.56 / 11.08 / 11.58 us against 11.82 / 12.25 / 14.20; k 2048 at m 8 / 64 4.83 / 5.37
+    # against 5.81 / 5.95
+    ("decode", 4096, 8192): WsTiling(64, 64, 8, split_k=2, k_groups=2, push_sum=True, push_regs=True),
+    ("decode", 4096, 2048): WsTiling(64, 64, 8, split_k=2, k_groups=2, push_sum=True, push_regs=True),
 }
 
 

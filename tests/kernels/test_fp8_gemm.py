@@ -200,6 +200,8 @@ def test_auto_takes_tilelang_at_prefill_shapes_on_cuda(monkeypatch):
     assert call(64, 4096, 7168) == ("tilelang", "ws")  # decode where the k-group kernel beat Triton
     assert call(5, 4096, 7168) == ("tilelang", "ws")
     assert call(8, 7168, 4096) == ("tilelang", "ws")  # and here, since the register push
+    assert call(1, 4096, 8192) == ("tilelang", "ws")  # V4-Flash's output LoRA and shared expert down
+    assert call(64, 4096, 2048) == ("tilelang", "ws")
     assert call(64, 16384, 7168) == ("triton", None)
     assert call(2176, 4096, 200) == ("triton", None)  # k not a multiple of 128
     assert call(2176, 4000, 256) == ("triton", None)  # n not a multiple of 128
