@@ -395,6 +395,8 @@ def test_ws_tiling_validation_and_defaults():
     assert WsTiling(64, 256, 5, split_k=2, warpgroups=2, smem_scales=True).name == "ws64x256s5_k2_w2_ss"
     for (regime, n, k), t in MEASURED_WS_BEST.items():
         assert default_ws_tiling(64 if regime == "decode" else 4096, n, k) == t
+        for m in (1, 8, 64) if regime == "decode" else (4096,):  # every measured default is a valid tiling
+            check_ws_tiling(m, n, k, t)
     assert default_ws_tiling(4096, 8192, 8192) == WsTiling(128, 256, 3, panel=8, scales_ahead=True)  # 256 | n
     assert default_ws_tiling(4096, 1152, 2048) == WsTiling(
         128, 128, 4
