@@ -223,9 +223,15 @@ def fp8_cases(record, small: bool, shapes=None):
         return f"bm{cfg.block_m} bn{cfg.block_n} w{cfg.num_warps} st{cfg.num_stages} split{split_k(cfg)}"
 
     f32 = jnp.float32
-    if shapes is None:
-        shapes = [(64, 4096, 7168), (64, 4096, 4096), (8, 4096, 7168), (1, 4096, 7168), (64, 7168, 4096)]
-        shapes += [(8, 7168, 4096), (4096, 4096, 7168)]
+    decode = [
+        (64, 4096, 7168),
+        (64, 4096, 4096),
+        (8, 4096, 7168),
+        (1, 4096, 7168),
+        (64, 7168, 4096),
+        (8, 7168, 4096),
+    ]
+    shapes = shapes or decode + [(4096, 4096, 7168)]
     for m, n, kk in shapes if not small else [(40, 64, 256)]:
         sets = []
         for s in range(timing_sets(m)):

@@ -483,10 +483,7 @@ def ws_program(m: int, n: int, k: int, tiling: WsTiling):
             if tiling.panel:
                 T.use_swizzle(tiling.panel)
             if ss:  # the whole k range's scales, once (TMA; rows past m in a later tile row fill with 0)
-                if a_rows < bm:
-                    T.copy(AS[0:a_rows, bz * kps : bz * kps + kss], as_s[0:a_rows, :])
-                else:
-                    T.copy(AS[by * bm, bz * kps], as_s)
+                T.copy(AS[by * bm : by * bm + a_rows, bz * kps : bz * kps + kss], as_s[0:a_rows, :])
                 T.copy(BS[bx * bn // BLOCK, bz * kps], bs_s)
             if tiling.scales_ahead:
                 load_ahead(AS, BS, ahead_a, ahead_b, ahead_b1, bx, by, bz * kps)
@@ -495,10 +492,7 @@ def ws_program(m: int, n: int, k: int, tiling: WsTiling):
                 T.clear(acc1)
             for j in T.Pipelined(kps, num_stages=stages):
                 i = bz * kps + j
-                if a_rows < bm:
-                    T.copy(A[0:a_rows, i * BLOCK : i * BLOCK + BLOCK], a_s[0:a_rows, :])
-                else:
-                    T.copy(A[by * bm, i * BLOCK], a_s)
+                T.copy(A[by * bm : by * bm + a_rows, i * BLOCK : (i + 1) * BLOCK], a_s[0:a_rows, :])
                 T.copy(B[bx * bn, i * BLOCK], b_s)
                 if sliced:
                     T.copy(B[bx * bn + sw, i * BLOCK], b1_s)

@@ -549,9 +549,9 @@ def test_tilelang_ws_matches_ref_on_gpu(tiling, m, n, k):
 )
 def test_tilelang_ws_default_through_public_op_in_a_loop(impl, m, n, k):
     """impl="tilelang", variant="ws" (or "auto", which takes it at a shape of 272 tiles, and at decode as the
-    k-group kernel whose splits meet in a cluster, at 8 rows too) through the public op, called twice inside one jit over
-    different buffers (fresh descriptors per call), and inside a scan (XLA may run it from a command
-    buffer)."""
+    k-group kernel whose splits meet in a cluster, at 8 rows too) through the public op, called twice inside
+    one jit over different buffers (fresh descriptors per call), and inside a scan (XLA may run it from a
+    command buffer)."""
     if jax.default_backend() != "gpu":
         pytest.skip("needs a CUDA GPU")
     from djax.kernels.fp8_gemm import auto_takes_tilelang, fp8_gemm
