@@ -306,11 +306,14 @@ def fp8_cases(record, small: bool, shapes=None):
                 (lambda *a: fp8_gemm(*a, impl="ref"), lambda out: out),
             )
 
-    # grouped, w1 of V4-Flash: contiguous at prefill n=4096 top-6 (rows padded to 128), masked at decode
+    # grouped, w1 of V4-Flash: contiguous at prefill n=4096 top-6 (rows padded to 128), masked at decode; w2
+    # (the down projection, [e, d, f]) contiguous at prefill
     d, f, e, k = (4096, 2048, 256, 6) if not small else (256, 128, 4, 2)
-    b, b_s = quantize_weight(jax.random.normal(jax.random.key(70), (e, f, d), BF16))
+    w1 = quantize_weight(jax.random.normal(jax.random.key(70), (e, f, d), BF16))
 
-    def one(mode, n):
+    def one(mode, n, weight=w1):
+        b, b_s = weight
+        f, d = b.shape[1:]
         w, idx = _routing(jax.random.key(80), n, e, k)
         if mode == "contiguous":
             lay = layout(idx, e, 128)
@@ -356,8 +359,31 @@ def fp8_cases(record, small: bool, shapes=None):
                 tr,
                 check,
             )
+        if mode == "contiguous" and not small:  # TileLang's grouped kernel, bf16 out: its default and others
+            from djax.kernels.fp8_gemm_tilelang import WsTiling, default_grouped_tiling
+
+            default = default_grouped_tiling(f)
+            # 64-row tiles skip the second half of a 128-row group's padding (a tile starting on padding)
+            others = [
+                WsTiling(64, 256, 4, panel=8, scales_ahead=True),
+                WsTiling(128, 128, 4, panel=8, scales_ahead=True),
+            ]
+            for t in [default, *others]:
+                record(
+                    "fp8_grouped",
+                    shape,
+                    f"tilelang {t.name}" + (" (its default)" if t == default else ""),
+                    lambda *z, t=t: grouped_contiguous(*z, impl="tilelang", tiling=t),
+                    sets,
+                    flops,
+                    nbytes,
+                    tr,
+                    check,
+                )
 
     one("contiguous", 4096 if not small else 40)
+    if not small:
+        one("contiguous", 4096, quantize_weight(jax.random.normal(jax.random.key(71), (e, d, f), BF16)))
     one("masked", 64 if not small else 8)
 
 

@@ -26,6 +26,7 @@ from djax.kernels.grouped_gemm_triton import GemmConfig
 
 IMPLS = ("ref", "triton", "tilelang", "interpret")
 GROUPED_IMPLS = ("ref", "triton", "interpret")
+CONTIGUOUS_IMPLS = ("ref", "triton", "tilelang", "interpret")
 
 
 def fp8_gemm(
@@ -107,6 +108,27 @@ def auto_takes_tilelang(a, b, out_dtype) -> bool:
     return faster and dispatch.on_cuda() and dispatch.has_tilelang()
 
 
+def contiguous_takes_tilelang(a, b, out_dtype) -> bool:
+    """Whether `grouped_contiguous(impl="auto")` (no Triton config given) runs the TileLang grouped kernel: on
+    CUDA with TileLang (and nvcc) installed, for fp8 e4m3 operands with n and k multiples of 128, a bf16 result,
+    and a layout of at least two waves of its tiles (m / 128 x n / block_n >= 2 x 132), as for the dense rule.
+    Its tiles are 128 rows, as the Triton default's, so the layout's contract (groups starting at multiples of
+    128) is the same either way.
+
+    H200, 2026-12-03 (`kernels_h200_fp8_grouped_tilelang.json`, V4-Flash's experts at 4,096 tokens, top-6 of
+    256, skewed routing): gate/up shape (n 2048, k 4096) 525.9 us against Triton's 603.2 (its best tiles;
+    650.1 its default), down (n 4096, k 2048) 562.5 against 641.9 (716.5). Smaller layouts were not measured."""
+    from djax.kernels.fp8_gemm_tilelang import default_grouped_tiling
+
+    m, k = a.shape
+    n = b.shape[1]
+    fits = n % 128 == 0 and k % 128 == 0 and m % 128 == 0 and jnp.dtype(out_dtype) == jnp.bfloat16
+    fits = fits and a.dtype == b.dtype == jnp.float8_e4m3fn
+    if not fits or m // 128 * (n // default_grouped_tiling(n).block_n) < 2 * H200_SMS:
+        return False
+    return dispatch.on_cuda() and dispatch.has_tilelang()
+
+
 def grouped_contiguous(
     a,
     a_scale,
@@ -116,13 +138,27 @@ def grouped_contiguous(
     out_dtype=jnp.bfloat16,
     impl: str = "auto",
     cfg: GemmConfig | None = None,
+    tiling=None,
 ):
     """See `fp8_gemm_ref.grouped_contiguous_ref`. Triton: groups start at multiples of cfg.block_m and
-    m is a multiple of it (a tile whose first row is -1 is skipped)."""
+    m is a multiple of it (a tile whose first row is -1 is skipped). impl "tilelang": the grouped TMA +
+    warp-specialised kernel (`fp8_gemm_tilelang.grouped_contiguous_tilelang`; bf16 out, n and k multiples of
+    128, groups starting at multiples of its 128-row tiles), `tiling` its `WsTiling` (None: its default).
+    impl "auto" on CUDA: TileLang where `contiguous_takes_tilelang` says so or a `tiling` is given, else Triton
+    (`cfg` given: always)."""
     shapes.fp8_contiguous(a, a_scale, b, b_scale, m_indices)
-    impl = resolve(impl, GROUPED_IMPLS)
+    if impl == "auto" and cfg is None and (tiling is not None or contiguous_takes_tilelang(a, b, out_dtype)):
+        if dispatch.on_cuda() and dispatch.has_tilelang():
+            impl = "tilelang"
+    impl = resolve(impl, CONTIGUOUS_IMPLS)
     if impl == "ref":
         return grouped_contiguous_ref(a, a_scale, b, b_scale, m_indices, out_dtype)
+    if impl == "tilelang":
+        from djax.kernels.fp8_gemm_tilelang import grouped_contiguous_tilelang
+
+        if jnp.dtype(out_dtype) != jnp.bfloat16:
+            raise ValueError(f"the TileLang grouped GEMM writes bfloat16, got out_dtype {out_dtype}")
+        return grouped_contiguous_tilelang(a, a_scale, b, b_scale, m_indices, tiling)
     return _run(impl, "contiguous", a, a_scale, b, b_scale, m_indices, out_dtype, cfg)
 
 

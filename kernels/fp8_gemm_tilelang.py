@@ -47,6 +47,7 @@ from djax.kernels.tilelang_build import (
 
 BLOCK = 128  # scale granularity along k (and along n for the weights)
 _PARAMS = ("A", "AS", "B", "BS", "C")  # kernel parameter order: operands in call order, then the result
+_GROUPED_PARAMS = ("A", "AS", "B", "BS", "MI", "C")  # the grouped contiguous program's
 
 
 @dataclass(frozen=True)
@@ -268,6 +269,13 @@ WS_VARIANTS = {  # tilings worth timing (measured best first, then the newer one
 }
 
 
+def default_grouped_tiling(n: int) -> WsTiling:
+    """The grouped contiguous program's tiles (MoE prefill, every group a whole number of 128-row tiles):
+    the dense prefill default's 128x256 where 256 divides n, else 128x128; 3 stages, panels of 8, the
+    scales a k block ahead."""
+    return WsTiling(128, 256 if n % 256 == 0 else 128, 3, panel=8, scales_ahead=True)
+
+
 def default_tiling(m: int, n: int, k: int) -> Tiling:
     """Decode (m <= 64): one warpgroup of 64 rows and the widest n tile that still gives about one CTA per SM
     (the weights stream from memory, so idle SMs are lost bandwidth); prefill: two warpgroups, 128x128."""
@@ -410,13 +418,23 @@ def check_ws_tiling(m: int, n: int, k: int, tiling: WsTiling) -> None:
         raise ValueError(f"smem_scales needs a multiple of 4 k blocks per split: {tiling} at k={k}")
 
 
-def ws_program(m: int, n: int, k: int, tiling: WsTiling):
+def ws_program(m: int, n: int, k: int, tiling: WsTiling, groups: int = 0):
     """The CUDA program for TileLang's TMA + warp-specialised lowering (same operands as `cuda_program`). With
     split_k > 1 the result is f32 partials P[split_k, m, n] (each split sums its share of the k blocks).
-    See `WsTiling` for the warpgroup layouts, 128-column slices and shared-memory scales."""
+    See `WsTiling` for the warpgroup layouts, 128-column slices and shared-memory scales.
+
+    groups > 0: the grouped GEMM in the contiguous layout (MoE prefill): B fp8[groups, n, k], BS f32[groups,
+    n/128, k/128] and one more operand before the result, MI int32[m], the group of each row of A (-1:
+    padding). A tile computes its rows with the weights of its first row's group; a tile whose first row is
+    padding returns at once (its rows are left unwritten), so groups must start at multiples of block_m."""
     import tilelang.language as T
 
     check_ws_tiling(m, n, k, tiling)
+    if groups and (tiling.split_k > 1 or tiling.smem_scales or tiling.early_store or m % tiling.block_m):
+        raise ValueError(
+            f"the grouped program takes whole tiles of rows (m {m} a multiple of block_m), no split of k, no "
+            f"shared-memory scales and no early store: {tiling}"
+        )
     if tiling.k_groups > 1:
         from djax.kernels.fp8_decode_tilelang import decode_program
 
@@ -436,66 +454,76 @@ def ws_program(m: int, n: int, k: int, tiling: WsTiling):
     a_rows = min(bm, m)  # rows in A's TMA box: m when it is one partial tile (see WsTiling)
 
     A_t, AS_t, B_t, BS_t, C_t = operand_types(T, m, n, k, out_shape, out_dtype)
+    if groups:
+        B_t, BS_t = T.Tensor((groups, n, k), fp8), T.Tensor((groups, n // BLOCK, kb), f32)
+
+    def w(MI, by, *ix):
+        """The index of a weight (or weight-scale) element: with groups, in the tile's group."""
+        return (MI[by * bm], *ix) if groups else ix
 
     @T.macro
-    def load_scales(AS, BS, s0, s1, bx, by, i):
+    def load_scales(AS, BS, MI, s0, s1, bx, by, i):
         """Activation x weight scale of k block i for the tile's rows: s0 for its (first) weight-scale block,
         s1 for its second when block_n is 256."""
         for r in T.Parallel(bm):
-            s0[r] = AS[by * bm + r, i] * BS[bx * bn // BLOCK, i]
+            s0[r] = AS[by * bm + r, i] * BS[w(MI, by, bx * bn // BLOCK, i)]
         if nsb == 2:
             for r in T.Parallel(bm):
-                s1[r] = AS[by * bm + r, i] * BS[bx * nsb + 1, i]
+                s1[r] = AS[by * bm + r, i] * BS[w(MI, by, bx * nsb + 1, i)]
 
     @T.macro
-    def load_ahead(AS, BS, sa, sb, sb1, bx, by, i):
+    def load_ahead(AS, BS, MI, sa, sb, sb1, bx, by, i):
         """k block i's scales, not multiplied: sa the rows' activation scales, sb (sb1) the weight scale of
         the tile's first (second) weight-scale block, the same in every entry."""
         for r in T.Parallel(bm):
             sa[r] = AS[by * bm + r, i]
         for r in T.Parallel(bm):
-            sb[r] = BS[bx * bn // BLOCK, i]
+            sb[r] = BS[w(MI, by, bx * bn // BLOCK, i)]
         if nsb == 2:
             for r in T.Parallel(bm):
-                sb1[r] = BS[bx * nsb + 1, i]
+                sb1[r] = BS[w(MI, by, bx * nsb + 1, i)]
 
-    @T.prim_func
-    def fp8_gemm(A: A_t, AS: AS_t, B: B_t, BS: BS_t, C: C_t):
-        with T.Kernel(n // bn, T.ceildiv(m, bm), split, threads=tiling.consumer_threads) as (bx, by, bz):
-            a_s = T.alloc_shared((bm, BLOCK), fp8)
-            b_s = T.alloc_shared((sw, BLOCK), fp8)
-            b1_s = T.alloc_shared((sw, BLOCK), fp8)  # second 128-column slice (unused unless sliced)
-            part = T.alloc_fragment((bm, sw), f32)
-            acc = T.alloc_fragment((bm, sw), f32)
-            acc1 = T.alloc_fragment((bm, sw), f32)
-            scale = T.alloc_fragment((bm,), f32)
-            scale1 = T.alloc_fragment((bm,), f32)
-            # scales_ahead: the next k block's activation and weight scales as loaded (multiplied only when
-            # used: a product at load time would wait for the loads before this block's wgmmas are issued)
-            ahead_a = T.alloc_fragment((bm,), f32)
-            ahead_b = T.alloc_fragment((bm,), f32)
-            ahead_b1 = T.alloc_fragment((bm,), f32)
-            # columns past this split's kps hold the next split's scales (or TMA's zero fill), never read
-            as_s = T.alloc_shared((bm, kss), f32)
-            bs_s = T.alloc_shared((nsb, kss), f32)
-            c_s = T.alloc_shared((bm, sw), out_dtype)
-            c1_s = T.alloc_shared((bm, sw), out_dtype)
-            if tiling.panel:
-                T.use_swizzle(tiling.panel)
+    def live(MI, by):
+        """Whether the tile has rows to compute: always, or with groups unless its first row is padding."""
+        return MI[by * bm] >= 0 if groups else True
+
+    @T.macro
+    def tile(A, AS, B, BS, MI, C, bx, by, bz):
+        a_s = T.alloc_shared((bm, BLOCK), fp8)
+        b_s = T.alloc_shared((sw, BLOCK), fp8)
+        b1_s = T.alloc_shared((sw, BLOCK), fp8)  # second 128-column slice (unused unless sliced)
+        part = T.alloc_fragment((bm, sw), f32)
+        acc = T.alloc_fragment((bm, sw), f32)
+        acc1 = T.alloc_fragment((bm, sw), f32)
+        scale = T.alloc_fragment((bm,), f32)
+        scale1 = T.alloc_fragment((bm,), f32)
+        # scales_ahead: the next k block's activation and weight scales as loaded (multiplied only when
+        # used: a product at load time would wait for the loads before this block's wgmmas are issued)
+        ahead_a = T.alloc_fragment((bm,), f32)
+        ahead_b = T.alloc_fragment((bm,), f32)
+        ahead_b1 = T.alloc_fragment((bm,), f32)
+        # columns past this split's kps hold the next split's scales (or TMA's zero fill), never read
+        as_s = T.alloc_shared((bm, kss), f32)
+        bs_s = T.alloc_shared((nsb, kss), f32)
+        c_s = T.alloc_shared((bm, sw), out_dtype)
+        c1_s = T.alloc_shared((bm, sw), out_dtype)
+        if tiling.panel:
+            T.use_swizzle(tiling.panel)
+        if live(MI, by):  # a tile of padding rows has nothing to compute or store
             if ss:  # the whole k range's scales, once (TMA; rows past m in a later tile row fill with 0)
                 T.copy(AS[by * bm : by * bm + a_rows, bz * kps : bz * kps + kss], as_s[0:a_rows, :])
                 T.copy(BS[bx * bn // BLOCK, bz * kps], bs_s)
             if tiling.scales_ahead:
-                load_ahead(AS, BS, ahead_a, ahead_b, ahead_b1, bx, by, bz * kps)
+                load_ahead(AS, BS, MI, ahead_a, ahead_b, ahead_b1, bx, by, bz * kps)
             T.clear(acc)
             if sliced:
                 T.clear(acc1)
             for j in T.Pipelined(kps, num_stages=stages):
                 i = bz * kps + j
                 T.copy(A[by * bm : by * bm + a_rows, i * BLOCK : (i + 1) * BLOCK], a_s[0:a_rows, :])
-                T.copy(B[bx * bn, i * BLOCK], b_s)
+                T.copy(B[w(MI, by, bx * bn, i * BLOCK)], b_s)
                 if sliced:
-                    T.copy(B[bx * bn + sw, i * BLOCK], b1_s)
+                    T.copy(B[w(MI, by, bx * bn + sw, i * BLOCK)], b1_s)
                 # before the wgmmas, so the loads' latency hides under them; rows past m read as 0.
                 # scale: the tile's (first) weight-scale block, scale1: its second when block_n is 256
                 if ss:
@@ -512,9 +540,11 @@ def ws_program(m: int, n: int, k: int, tiling: WsTiling):
                     if nsb == 2:
                         for r in T.Parallel(bm):
                             scale1[r] = ahead_a[r] * ahead_b1[r]
-                    load_ahead(AS, BS, ahead_a, ahead_b, ahead_b1, bx, by, T.min(i + 1, bz * kps + kps - 1))
+                    load_ahead(
+                        AS, BS, MI, ahead_a, ahead_b, ahead_b1, bx, by, T.min(i + 1, bz * kps + kps - 1)
+                    )
                 else:
-                    load_scales(AS, BS, scale, scale1, bx, by, i)
+                    load_scales(AS, BS, MI, scale, scale1, bx, by, i)
                 T.gemm(a_s, b_s, part, transpose_B=True, clear_accum=True, policy=policy)
                 if nsb == 2 and not sliced:  # warpgroups side by side: each one's columns in one scale block
                     for r, c in T.Parallel(bm, sw):
@@ -537,6 +567,20 @@ def ws_program(m: int, n: int, k: int, tiling: WsTiling):
                 T.copy(c_s, C[by * bm, bx * bn])
                 if sliced:
                     T.copy(c1_s, C[by * bm, bx * bn + sw])
+
+    if groups:
+
+        @T.prim_func
+        def fp8_gemm_grouped(A: A_t, AS: AS_t, B: B_t, BS: BS_t, MI: T.Tensor((m,), "int32"), C: C_t):
+            with T.Kernel(n // bn, m // bm, 1, threads=tiling.consumer_threads) as (bx, by, bz):
+                tile(A, AS, B, BS, MI, C, bx, by, bz)
+
+        return fp8_gemm_grouped
+
+    @T.prim_func
+    def fp8_gemm(A: A_t, AS: AS_t, B: B_t, BS: BS_t, C: C_t):
+        with T.Kernel(n // bn, T.ceildiv(m, bm), split, threads=tiling.consumer_threads) as (bx, by, bz):
+            tile(A, AS, B, BS, None, C, bx, by, bz)
 
     return fp8_gemm
 
@@ -602,14 +646,14 @@ def lower_cuda(m: int, n: int, k: int, tiling: Tiling | None = None) -> tuple[st
     )
 
 
-def lower_ws(m: int, n: int, k: int, tiling: WsTiling | None = None) -> tuple[str, dict]:
+def lower_ws(m: int, n: int, k: int, tiling: WsTiling | None = None, groups: int = 0) -> tuple[str, dict]:
     """CUDA source and launch description of the TMA + warp-specialised variant: grid, threads (producer
     warpgroup included), shared_bytes, name, and params (per kernel parameter: an FFI buffer index for a pointer,
-    or a `djax.ffi.tma.TensorMap`). No GPU needed."""
+    or a `djax.ffi.tma.TensorMap`). groups > 0: the grouped contiguous program (`ws_program`). No GPU needed."""
     from djax.ffi.tma import params_from_tilelang
 
-    tiling = tiling or default_ws_tiling(m, n, k)
-    art = lower(ws_program(m, n, k, tiling), {"kind": "cuda", "arch": ARCH}, HOPPER)
+    tiling = tiling or (default_grouped_tiling(n) if groups else default_ws_tiling(m, n, k))
+    art = lower(ws_program(m, n, k, tiling, groups), {"kind": "cuda", "arch": ARCH}, HOPPER)
     fn, launch = one_kernel(art)
     (host_fn,) = art.host_mod.functions.values()
     source = art.kernel_source
@@ -619,7 +663,8 @@ def lower_ws(m: int, n: int, k: int, tiling: WsTiling | None = None) -> tuple[st
         source = with_cluster_sum(source, launch["name"], tiling.split_k, tiling.push_sum)
     if tiling.early_store:
         source = with_early_store(source)
-    return source, {**launch, "params": params_from_tilelang(fn, host_fn, _PARAMS)}
+    names = _GROUPED_PARAMS if groups else _PARAMS
+    return source, {**launch, "params": params_from_tilelang(fn, host_fn, names)}
 
 
 _STORE_WAIT = "      tl::tma_store_arrive();\n      tl::tma_store_wait<0, true>();\n"
@@ -687,12 +732,18 @@ def ws_sources(tiling: WsTiling) -> tuple[str, ...]:
 
 
 @functools.cache
-def ws_kernel(m: int, n: int, k: int, tiling: WsTiling | None = None):
-    """Lowers and compiles (no GPU needed) the TMA + warp-specialised variant: a `djax.ffi.tma.TmaKernel`."""
+def ws_kernel(m: int, n: int, k: int, tiling: WsTiling | None = None, groups: int = 0):
+    """Lowers and compiles (no GPU needed) the TMA + warp-specialised variant: a `djax.ffi.tma.TmaKernel`.
+    groups > 0: the grouped contiguous program over `groups` weight matrices."""
     from djax.ffi.tma import TmaKernel
 
-    tiling = tiling or default_ws_tiling(m, n, k)
-    source, launch = lowered_on_disk("fp8_gemm_ws", (m, n, k, tiling), lower_ws, ws_sources(tiling))
+    tiling = tiling or (default_grouped_tiling(n) if groups else default_ws_tiling(m, n, k))
+    if groups:
+        source, launch = lowered_on_disk(
+            "fp8_grouped_ws", (m, n, k, tiling, groups), lower_ws, ws_sources(tiling)
+        )
+    else:
+        source, launch = lowered_on_disk("fp8_gemm_ws", (m, n, k, tiling), lower_ws, ws_sources(tiling))
     binary = nvcc_cubin(source)
     key = "tlws-" + hashlib.sha256(binary).hexdigest()[:24]
     return TmaKernel(
@@ -755,3 +806,32 @@ def fp8_gemm_tilelang(
         raise TypeError(f"variant 'pointer' takes a Tiling, got {tiling!r}")
     kern = cuda_kernel(m, n, k, tiling)
     return cubin.launch(kern.cubin, kern.grid, args, jax.ShapeDtypeStruct((m, n), jnp.bfloat16))
+
+
+def grouped_contiguous_tilelang(a, a_scale, b, b_scale, m_indices, tiling: WsTiling | None = None):
+    """`fp8_gemm_ref.grouped_contiguous_ref`'s contract on a CUDA GPU (sm_90): out[r] = a[r] b[m_indices[r]]^T
+    with DeepGEMM's scales, in bf16, by the grouped "ws" program (`ws_program` with groups).
+
+    a fp8_e4m3fn[m, k] with rows sorted by group, every group starting at a multiple of the tiling's block_m
+    (128) and m a multiple of it; a_scale f32[m, k/128]; b fp8_e4m3fn[g, n, k]; b_scale f32[g, n/128, k/128];
+    m_indices int32[m], -1 for padding. A tile takes its first row's group; a tile whose first row is padding
+    is skipped and its rows are left unwritten (the reference zeros them); padding rows inside a live tile
+    get that group's product of their row of a."""
+    from djax.ffi import tma
+
+    m, k = a.shape
+    g, n = b.shape[:2]
+    check_shapes(m, n, k)
+    t = tiling or default_grouped_tiling(n)
+    if a.dtype != jnp.float8_e4m3fn or b.dtype != jnp.float8_e4m3fn or b.shape[2] != k:
+        raise ValueError(f"need fp8_e4m3fn a[m, k], b[g, n, k]; got {a.dtype}{a.shape}, {b.dtype}{b.shape}")
+    if m % t.block_m:
+        raise ValueError(f"the contiguous layout's rows ({m}) must be a multiple of the tile's {t.block_m}")
+    if a_scale.shape != (m, k // BLOCK) or b_scale.shape != (g, n // BLOCK, k // BLOCK):
+        raise ValueError(
+            f"scale shapes {a_scale.shape}, {b_scale.shape} do not match m={m} g={g} n={n} k={k}"
+        )
+    kern = ws_kernel(m, n, k, t, g)
+    f32 = jnp.float32
+    args = [a, a_scale.astype(f32), b, b_scale.astype(f32), m_indices.astype(jnp.int32)]
+    return tma.launch(kern, args, jax.ShapeDtypeStruct((m, n), jnp.bfloat16))

@@ -162,6 +162,41 @@ def test_dense_config_splits_k_for_decode():
     assert dense_config(128, 32768, 1024) == DEFAULT_CFG  # 256 tiles of 128 x 128 fill the SMs
 
 
+def test_auto_takes_tilelang_for_large_contiguous_layouts_on_cuda(monkeypatch):
+    """grouped_contiguous(impl="auto") on CUDA with TileLang: the TileLang grouped kernel for fp8 operands with
+    n, k multiples of 128, a bf16 result and a layout of two waves of its tiles; Triton for a smaller layout,
+    another out dtype, or a Triton config; TileLang wherever a tiling is given. Faked backend, stub kernels."""
+    import djax.kernels.fp8_gemm as op
+    import djax.kernels.fp8_gemm_tilelang as tl_mod
+    from djax.kernels import dispatch
+    from djax.kernels.fp8_gemm_tilelang import WsTiling
+
+    monkeypatch.setattr(dispatch, "on_cuda", lambda: True)
+    monkeypatch.setattr(dispatch, "has_tilelang", lambda: True)
+    monkeypatch.setattr(dispatch, "has_triton", lambda: True)
+    taken = []
+    monkeypatch.setattr(tl_mod, "grouped_contiguous_tilelang", lambda *a: taken.append("tilelang"))
+    monkeypatch.setattr(op, "_run", lambda impl, *a: taken.append(impl))
+    rng = np.random.default_rng(9)
+
+    def call(m, n, k, out_dtype=jnp.bfloat16, **kw):
+        a, b = jnp.asarray(_fp8(rng, (m, k))), jnp.asarray(_fp8(rng, (2, n, k)))
+        sa = jnp.asarray(_scales(rng, (m, k // 128)))
+        sb = jnp.asarray(_scales(rng, (2, n // 128, k // 128)))
+        op.grouped_contiguous(a, sa, b, sb, jnp.zeros((m,), jnp.int32), out_dtype, **kw)
+        return taken.pop()
+
+    # 128x256 tiles at n 512: 2 a tile row, so 132 tile rows (16,896 rows) are two waves
+    assert call(16896, 512, 256) == "tilelang"
+    assert call(16768, 512, 256) == "triton"
+    assert call(16896, 384, 256) == "tilelang"  # 128x128 tiles: 3 a tile row
+    assert call(16896, 512, 256, jnp.float32) == "triton"
+    assert call(16896, 512, 256, cfg=op.FP8_CFG) == "triton"
+    assert call(128, 512, 256, tiling=WsTiling(128, 256, 3)) == "tilelang"
+    monkeypatch.setattr(dispatch, "has_tilelang", lambda: False)
+    assert call(16896, 512, 256) == "triton"
+
+
 def test_auto_takes_tilelang_at_prefill_shapes_on_cuda(monkeypatch):
     """impl="auto" on CUDA with TileLang installed: the TileLang "ws" kernel for fp8 operands with n, k
     multiples of 128, a bf16 result and at least two waves of its tiles (2 x 132 CTAs), or at decode where

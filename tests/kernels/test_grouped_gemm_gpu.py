@@ -5,7 +5,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
-from checks import assert_close
+from checks import assert_close, needs_tilelang
 
 from djax.kernels.fp8_gemm import fp8_gemm, grouped_contiguous, grouped_masked, grouped_swiglu_contiguous
 from djax.kernels.fp8_gemm_ref import quantize_act, quantize_weight
@@ -24,6 +24,15 @@ from djax.quant import quantize
 
 pytestmark = pytest.mark.gpu
 BF16 = jnp.bfloat16
+# the TileLang kernels' bf16 output: the f32 result (within 4e-4 of the f32 reference: the FP8 MMA
+# accumulator, promoted every 128 k) rounded to bf16, at most half an ulp more
+BF16_OUT_RTOL = 4e-4 + 2.0**-9
+
+
+def needs_tilelang_gpu(fn):
+    """TileLang installed and a CUDA GPU present."""
+    gpu = pytest.mark.skipif(jax.default_backend() != "gpu", reason="needs a CUDA GPU")
+    return needs_tilelang(gpu(fn))
 
 
 def _moe(seed, n, d, f, e, k):
@@ -194,3 +203,43 @@ def test_fp8_split_k_matches_ref(cfg):
     out = fp8_gemm(a, a_s, b, b_s, jnp.bfloat16, impl="triton", cfg=cfg)
     assert out.dtype == jnp.bfloat16
     assert_close(out.astype(f32), ref, 1e-2)
+
+
+def _contiguous_case(seed, e, n, d, counts):
+    """fp8 rows in the contiguous layout for the given rows per group (each padded to 128), then 384 rows of
+    padding; fresh weights."""
+    f32 = jnp.float32
+    bg, bg_s = quantize_weight(jax.random.normal(jax.random.key(seed), (e, n, d), f32))
+    groups = np.concatenate([np.full(-(-c // 128) * 128, -1, np.int32) for c in counts] + [np.full(384, -1)])
+    at = 0
+    for gid, c in enumerate(counts):
+        groups[at : at + c] = gid
+        at += -(-c // 128) * 128
+    x = jax.random.normal(jax.random.key(seed + 1), (groups.size, d), f32)
+    a, a_s = quantize_act(x)
+    return a, a_s, bg, bg_s, jnp.asarray(groups.astype(np.int32))
+
+
+@needs_tilelang_gpu
+@pytest.mark.parametrize("n", [512, 384])  # 128x256 tiles; 128x128 (256 does not divide 384)
+def test_tilelang_grouped_contiguous_matches_ref(n):
+    """The TileLang grouped kernel against the f32 reference on the live rows: groups of 1, 128, 129, 300 and
+    0 rows (a group with none takes no tile), 256 rows of padding tiles at the end (skipped), a tile of a
+    group past the last weight (its rows are 0 in the reference and in the kernel: TMA reads zeros there), called
+    through the public op in a jit and inside a scan."""
+    e, d = 6, 1024
+    a, a_s, b, b_s, groups = _contiguous_case(n, e, n, d, [1, 128, 129, 0, 300, 77])
+    groups = groups.at[-384:-256].set(e)  # one tile of a group past the last weight, before the padding
+    live = np.asarray(groups) >= 0
+    f = lambda *z: grouped_contiguous(*z, impl="tilelang")  # noqa: E731
+    out = jax.jit(f)(a, a_s, b, b_s, groups)
+    ref = grouped_contiguous(a, a_s, b, b_s, groups, jnp.float32, impl="ref")
+    assert out.dtype == jnp.bfloat16 and out.shape == (groups.shape[0], n)
+    assert_close(np.asarray(out.astype(jnp.float32))[live], np.asarray(ref)[live], BF16_OUT_RTOL)
+
+    def body(c, _):
+        return c, f(a, a_s, b, b_s, groups).astype(jnp.float32)
+
+    _, ys = jax.jit(lambda: jax.lax.scan(body, 0, None, length=2))()
+    for y in np.asarray(ys):
+        assert_close(y[live], np.asarray(ref)[live], BF16_OUT_RTOL)

@@ -449,6 +449,50 @@ def test_ws_new_cubins_for_sm90_without_a_gpu(tmp_path, monkeypatch, tiling):
 
 
 @needs_tilelang
+@needs_cuda_h
+@pytest.mark.parametrize("n", [2048, 384])
+def test_grouped_program_lowers_with_tile_skip_and_3d_weights(n):
+    """No GPU needed: the grouped contiguous program (MoE prefill) takes A, its scales, the weights of every
+    group as one 3-D tensor map [g, n, k] whose box covers one group, their scales and the rows' groups by
+    pointer; its producer loads the tile's group's weights (the group read from m_indices as the third
+    coordinate), and the whole tile is skipped when its first row is padding. The C++ plan checker accepts it
+    over buffers of the right sizes."""
+    from djax.ffi import tma
+    from djax.kernels.fp8_gemm_tilelang import default_grouped_tiling, lower_ws
+
+    m, k, g = 1024, 1024, 8
+    t = default_grouped_tiling(n)
+    assert t.block_n == (256 if n % 256 == 0 else 128)
+    src, launch = lower_ws(m, n, k, None, g)
+    assert launch["grid"] == (n // t.block_n, m // 128, 1) and launch["threads"] == 384
+    maps = {p.buffer: p for p in launch["params"] if isinstance(p, tma.TensorMap)}
+    ptrs = [p for p in launch["params"] if not isinstance(p, tma.TensorMap)]
+    assert sorted(ptrs) == [1, 3, 4] and sorted(maps) == [0, 2, 5]  # AS, BS, MI pointers; A, B, C maps
+    b = maps[2]
+    assert (b.dims, b.strides, b.box) == ((k, n, g), (1, k, n * k), (128, min(t.block_n, 128), 1))
+    assert "if (0 <= MI[(((int)blockIdx.y) * 128)])" in src  # the skip of a padding tile
+    loads = re.findall(r"tma_load\(B_desc, [^;]*;", src)
+    assert loads and all(x.endswith("MI[(((int)blockIdx.y) * 128)]);") for x in loads)
+    kern = tma.TmaKernel("x", launch["name"], b"", launch["grid"], launch["threads"], 0, launch["params"])
+    sizes = [m * k, m * (k // 128) * 4, g * n * k, g * (n // 128) * (k // 128) * 4, 4 * m, 2 * m * n]
+    assert tma.check(kern, sizes) == 6
+
+
+@needs_tilelang
+def test_grouped_program_refuses_what_it_does_not_do():
+    from djax.kernels.fp8_gemm_tilelang import WsTiling, ws_program
+
+    for t, m in [
+        (WsTiling(128, 256, 3, split_k=2), 1024),
+        (WsTiling(128, 256, 3, early_store=True), 1024),
+        (WsTiling(128, 128, 3, smem_scales=True), 1024),
+        (WsTiling(128, 256, 3), 1000),  # rows not whole tiles
+    ]:
+        with pytest.raises(ValueError, match="grouped program"):
+            ws_program(m, 512, 1024, t, groups=4)
+
+
+@needs_tilelang
 def test_ascend_lowering_emits_ascendc():
     """TileLang's "ascend" target lowers the program to AscendC source (bisheng, absent here, compiles it)."""
     if reason := ascend_backend_missing():
@@ -545,6 +589,8 @@ def test_tilelang_ws_matches_ref_on_gpu(tiling, m, n, k):
         ("auto", 2176, 4096, 512),
         ("auto", 64, 4096, 7168),
         ("auto", 8, 7168, 4096),
+        ("auto", 1, 4096, 8192),  # V4-Flash's output LoRA at batch 1
+        ("auto", 64, 4096, 2048),  # and its shared expert's down projection
     ],
 )
 def test_tilelang_ws_default_through_public_op_in_a_loop(impl, m, n, k):
