@@ -1,7 +1,7 @@
 """The TileLang FP8 block-scaled GEMM: CUDA lowering and sm_90a cubin, AscendC lowering, and (GPU) values vs the ref.
 
-Two CUDA variants: "pointer" (cp.async, raw pointers, ffi/csrc/cubin_launch.cc) and "ws" (TMA + warp
-specialisation; its CUtensorMap parameters are encoded per call by ffi/csrc/tma_launch.cc from a plan that
+Two CUDA variants: "pointer" (cp.async, raw pointers, djax/ffi/csrc/cubin_launch.cc) and "ws" (TMA + warp
+specialisation; its CUtensorMap parameters are encoded per call by djax/ffi/csrc/tma_launch.cc from a plan that
 djax.ffi.tma reads off TileLang's host module).
 
 TileLang 0.1.15 (the version gpu-carry.sh packs) is in the `test` extra; these tests skip where it is not

@@ -113,7 +113,7 @@ def compile_triton(
 
 
 # (key, cubin, entry name, device ordinal, dynamic shared bytes, error buffer, its length) -> 0 or an error code:
-# the loader every launcher library exports (ffi/csrc/cuda_driver.h's LoadCubin)
+# the loader every launcher library exports (djax/ffi/csrc/cuda_driver.h's LoadCubin)
 LOADER_ARGTYPES = [
     ctypes.c_char_p,
     ctypes.c_char_p,

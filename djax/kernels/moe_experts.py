@@ -1,5 +1,5 @@
 """Routed MoE experts from grouped GEMMs: sort picks by expert into BLOCK_M-aligned groups, fused gate/up
-SwiGLU, down projection, weighted gather-combine. Same contract as `experts_ragged` in models/moe.py.
+SwiGLU, down projection, weighted gather-combine. Same contract as `experts_ragged` in djax/models/moe.py.
 
 `moe_experts` takes bf16 weights (an FP8 or FP4 QArray is made dense first: a bf16 copy of the whole expert
 stack on every call); `moe_experts_fp8` runs FP8 experts in DeepGEMM's layout as they are stored, through the
@@ -239,5 +239,5 @@ def moe_experts(
 
 
 def moe_experts_triton(x, weights, idx, w1, w2, w3, limit: float) -> jax.Array:
-    """`moe_experts` with the Triton kernels: the drop-in CUDA twin of models/moe.py's `experts_ragged`."""
+    """`moe_experts` with the Triton kernels: the drop-in CUDA twin of djax/models/moe.py's `experts_ragged`."""
     return moe_experts(x, weights, idx, w1, w2, w3, limit, impl="triton")

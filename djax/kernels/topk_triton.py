@@ -2,7 +2,7 @@
 order (so ties go to the lower index), then a sort of the k picks.
 
 Two forms: `topk_kernel` does all of it in one program per row, or per chunk of a row (the first stage of a
-chunked top-k, see kernels/topk.py); the grid form spreads one row's select over many programs, one kernel
+chunked top-k, see djax/kernels/topk.py); the grid form spreads one row's select over many programs, one kernel
 per step (`grid_hist_kernel` four times, `grid_collect_kernel`, `sort_picks_kernel`), for few rows with a
 large k, where chunking leaves too many candidates to merge."""
 

@@ -5,7 +5,7 @@ One TileLang program per backend, both specialised to static (m, n, k):
   k block into a fresh register tile, then DeepGEMM's promotion: the block's partial sum times its activation
   scale (per row) and weight scale (per 128x128 block) is added into a separate f32 accumulator.
   TMA and warp specialisation are switched off so that the kernel's parameters are the five device pointers
-  (operands, then the result) that `ffi/csrc/cubin_launch.cc` passes, as for Triton's kernels.
+  (operands, then the result) that `djax/ffi/csrc/cubin_launch.cc` passes, as for Triton's kernels.
 - Ascend (AscendC source only; no Ascend hardware here): the Cube core does the block GEMM into L0C, the two
   Vector cores each take half the rows of the partial sum and apply the same promotion in their unified buffer.
 
@@ -19,7 +19,7 @@ block in two 128-column slices), two consumer warpgroups side by side at decode,
 once into shared memory by TMA (`smem_scales`), and at decode consumer warpgroups taking turns over the k
 blocks with the k splits summed in a thread-block cluster (`k_groups`, the program in
 `fp8_decode_tilelang.py`). Its kernel takes `CUtensorMap` descriptors, so it is launched by
-`ffi/csrc/tma_launch.cc` (`djax.ffi.tma`), which encodes them per call from XLA's buffer addresses.
+`djax/ffi/csrc/tma_launch.cc` (`djax.ffi.tma`), which encodes them per call from XLA's buffer addresses.
 
 Compiling needs TileLang 0.1.15 and, for the cubin, nvcc (13.0 here and on the H200 image), not a GPU.
 """

@@ -1,4 +1,4 @@
-"""Builds ffi/csrc/<name>.cc into a shared library on first use, cached by a hash of source and headers."""
+"""Builds djax/ffi/csrc/<name>.cc into a shared library on first use, cached by a hash of source and headers."""
 
 from __future__ import annotations
 

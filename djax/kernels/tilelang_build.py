@@ -14,7 +14,7 @@ import tempfile
 from pathlib import Path
 
 ARCH = "sm_90a"  # wgmma needs the arch-specific target
-# Kernels launched by `ffi/csrc/cubin_launch.cc` take plain device pointers: no TMA descriptors, and no
+# Kernels launched by `djax/ffi/csrc/cubin_launch.cc` take plain device pointers: no TMA descriptors, and no
 # warp specialisation (it would come with TMA).
 POINTER_ONLY = {"tl.disable_tma_lower": True, "tl.disable_warp_specialized": True}
 HOPPER: dict = {}  # TileLang's defaults on Hopper: TMA lowering and warp specialisation on

@@ -17,7 +17,7 @@ Contract: `sparse_attn_ref.sparse_decode_ref`. Why this shape of kernel (see NOT
   the partials passing through global memory or (`Tiling.dsmem`) the cluster's shared memory.
 `ws_program` is the warp-specialised form (12 warps: a producer warpgroup and two consumers handing off
 through mbarriers, no CTA-wide barriers in the loop), the default where it applies. Neither uses TMA, so
-the kernel's parameters stay the plain device pointers that `ffi/csrc/cubin_launch.cc` passes (operands in
+the kernel's parameters stay the plain device pointers that `djax/ffi/csrc/cubin_launch.cc` passes (operands in
 call order, then results). Compiling needs TileLang 0.1.15 and nvcc, not a GPU.
 """
 

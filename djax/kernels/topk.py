@@ -32,7 +32,7 @@ MIN_CHUNK = 1024
 # Chunks are whole multiples of the kernel's default block, so that no pass ends in a mostly idle block.
 CHUNK_ALIGN = 1024
 # The grid form (method "grid"): each row cut into chunks of GRID_MIN_CHUNK columns or more, about
-# GRID_PROGRAMS programs in all, six launches (see kernels/topk_triton.py). H200, rows of 262,144 with k 512
+# GRID_PROGRAMS programs in all, six launches (see djax/kernels/topk_triton.py). H200, rows of 262,144 with k 512
 # (`kernels_h200_topk_grid2.json`; chunked: its best variant; lax.top_k in brackets): 1 row 24.2 us
 # against 66.0 (55.3), 2 rows 29.8 against 66.4 (140.1), 4 rows 42.7 against 81.6 (240.4), 8 rows (2,048
 # columns a chunk) 74.6 against 104.8 (438.5), all at 4 warps; at 8 warps 4 and 8 rows took 51.5 and 83.9.
@@ -65,7 +65,7 @@ def topk(
 
     Triton only: method "chunked" runs each chunk's select in one program and merges the chunks'
     candidates; "grid" spreads each row's select over a grid of programs, one kernel per step (see
-    kernels/topk_triton.py); "auto" picks by `takes_grid`. chunk is the columns per program (None: the
+    djax/kernels/topk_triton.py); "auto" picks by `takes_grid`. chunk is the columns per program (None: the
     method's rule; for "chunked", s or more means one program per row); merge ("chunked" only) picks the
     top k of the chunks' candidates with "triton" (chunked again where still long) or "ref" (lax.top_k).
     num_warps: per program (None: 8 for "chunked", GRID_WARPS for "grid").
@@ -111,7 +111,7 @@ def grid_chunk(rows: int, length: int) -> int:
 def grid_topk(
     scores, k: int, lengths=None, chunk: int | None = None, block: int = 1024, num_warps: int = GRID_WARPS
 ):
-    """`topk` by the grid form of the radix select (kernels/topk_triton.py's `grid_select`) on CUDA."""
+    """`topk` by the grid form of the radix select (djax/kernels/topk_triton.py's `grid_select`) on CUDA."""
     from djax.ffi import cubin
     from djax.kernels.topk_triton import WORK_WIDTH, grid_select
 

@@ -1,6 +1,6 @@
 """Launches cubins whose parameters include TMA descriptors (TileLang's Hopper kernels) on XLA's stream.
 
-`ffi/csrc/tma_launch.cc` encodes each `CUtensorMap` per call with cuTensorMapEncodeTiled from the buffer
+`djax/ffi/csrc/tma_launch.cc` encodes each `CUtensorMap` per call with cuTensorMapEncodeTiled from the buffer
 addresses XLA passes and launches the cubin with the descriptors by value (see that file for the plan format).
 Here: the plan, read from TileLang's lowered host module (`tma_descriptor_args`, the arguments TileLang's own
 host wrapper hands to cuTensorMapEncodeTiled) and the device kernel's parameter list; loading; launching.

@@ -1,6 +1,6 @@
 """Grouped GEMMs for MoE experts in jnp (the spec of grouped_gemm_triton): contiguous and masked layouts.
 
-Weights are in torch layout b[g, n, k] (out, in), as models/moe.py stores w1/w3 [e, f, d] and w2 [e, d, f].
+Weights are in torch layout b[g, n, k] (out, in), as djax/models/moe.py stores w1/w3 [e, f, d] and w2 [e, d, f].
 Products accumulate in float32; results are cast to a's dtype. Padding and dead rows come out as 0 here
 (the Triton kernels leave them unwritten).
 """
