@@ -52,6 +52,12 @@ TILELANG_TILINGS = {
 }
 
 
+def is_default(variant: str) -> bool:
+    """The rows `--defaults-only` keeps: XLA's references and ceilings, "auto" (what the public op takes by
+    default) and each kernel's own default configuration."""
+    return variant.startswith(("xla", "ceiling", "auto")) or "default" in variant
+
+
 def bench(fn, sets, reps: int = 7, trace: bool = False):
     """Median seconds per call of `fn` over rotating input sets (so repeated calls do not hit L2).
 
@@ -185,6 +191,7 @@ def run(
     attn_batches: tuple[int, ...] = (64, 8),
     attn_sweep: bool = True,
     fp8_shapes: tuple[tuple[int, int, int], ...] | None = None,
+    defaults_only: bool = False,
 ):
     dev = jax.devices()[0]
     rows, errors = [], []
@@ -194,7 +201,10 @@ def run(
     )
 
     def record(kernel, shape, variant, fn, sets, flops, nbytes, ref_time=None, check=None):
-        """check: (ref_fn, select) -> the relative error of fn vs ref_fn on sets[0] over select(output)."""
+        """check: (ref_fn, select) -> the relative error of fn vs ref_fn on sets[0] over select(output).
+        With defaults_only, only what a caller gets by default is timed (see `is_default`)."""
+        if defaults_only and not is_default(variant):
+            return None
         peak = FP8_PEAK if kernel.startswith("fp8") else BF16_RATE
         err = None
         try:
@@ -402,6 +412,7 @@ def run(
                     nbytes,
                     tr,
                 )
+            record("index_scores", shape, "auto", lambda *a: index_scores(*a), sets, flops, nbytes, tr)
             kk = min(512, s)
             tr = record(
                 "indexer_topk",
@@ -591,6 +602,12 @@ if __name__ == "__main__":
         "the default: routed experts with FP8 weights, made dense on use or read by the FP8 grouped GEMMs)",
     )
     ap.add_argument(
+        "--defaults-only",
+        action="store_true",
+        help="time only XLA's references and ceilings, \"auto\" and each kernel's default configuration (every "
+        "section: one run of every kernel as a caller gets it)",
+    )
+    ap.add_argument(
         "--fp8-shapes",
         default="",
         help="fp8 section: comma list of m x n x k for its dense GEMMs instead of its own (e.g. 8x4096x8192)",
@@ -601,6 +618,7 @@ if __name__ == "__main__":
         args.small,
         tuple(args.only.split(",")),
         tuple(int(b) for b in args.attn_batches.split(",")),
-        not args.attn_default_only,
+        not (args.attn_default_only or args.defaults_only),
         tuple(tuple(int(d) for d in s.split("x")) for s in args.fp8_shapes.split(",") if s) or None,
+        args.defaults_only,
     )

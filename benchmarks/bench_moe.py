@@ -112,6 +112,9 @@ def moe_cases(record, small: bool):
                 tr,
                 check,
             )
+        record(
+            "moe_experts", shape, "auto", lambda *a: moe_experts(*a, LIMIT), sets, flops, nbytes, tr, check
+        )
 
     # decode, batch 64: contiguous moe_experts vs the model's decode paths, then the masked layout alone
     n = 64 if not small else 8
@@ -147,6 +150,7 @@ def moe_cases(record, small: bool):
             tr,
             check,
         )
+    record("moe_experts", shape, "auto", lambda *a: moe_experts(*a, LIMIT), sets, flops, nbytes, tr, check)
 
     max_m = n  # capacity: every token may pick the same expert
     msets = []
@@ -187,6 +191,17 @@ def moe_cases(record, small: bool):
             tr,
             (lambda *a: masked_pair(*a, "ref")[live], lambda out: out[live]),
         )
+    record(
+        "grouped_masked",
+        shape,
+        "auto",
+        lambda *a: masked_pair(*a, "auto"),
+        msets,
+        flops,
+        nbytes,
+        tr,
+        (lambda *a: masked_pair(*a, "ref")[live], lambda out: out[live]),
+    )
 
 
 def timing_sets(m: int) -> int:
@@ -305,6 +320,17 @@ def fp8_cases(record, small: bool, shapes=None):
                 tr,
                 (lambda *a: fp8_gemm(*a, impl="ref"), lambda out: out),
             )
+        record(
+            "fp8_gemm",
+            shape,
+            "auto",
+            lambda *a: fp8_gemm(*a),
+            sets,
+            flops,
+            nbytes,
+            tr,
+            (lambda *a: fp8_gemm(*a, impl="ref"), lambda out: out),
+        )
 
     # grouped, w1 of V4-Flash: contiguous at prefill n=4096 top-6 (rows padded to 128), masked at decode; w2
     # (the down projection, [e, d, f]) contiguous at prefill
@@ -380,6 +406,7 @@ def fp8_cases(record, small: bool, shapes=None):
                     tr,
                     check,
                 )
+        record("fp8_grouped", shape, "auto", lambda *z: fast(*z), sets, flops, nbytes, tr, check)
 
     one("contiguous", 4096 if not small else 40)
     if not small:
