@@ -180,6 +180,15 @@ def constexprs(m: int, n: int, k: int, mg: int, masked: bool, has_rows: bool, cf
     )
 
 
+def masked_config(mg: int, candidates: tuple[GemmConfig, ...]) -> GemmConfig:
+    """The first of `candidates` (widest tiles first) whose block_m divides mg, the masked rows per group: what
+    the masked GEMMs run when no config is given."""
+    for cfg in candidates:
+        if mg % cfg.block_m == 0:
+            return cfg
+    raise ValueError(f"masked rows per group {mg} must be a multiple of {min(c.block_m for c in candidates)}")
+
+
 def grid(m: int, n: int, cfg: GemmConfig) -> tuple[int]:
     return (triton.cdiv(m, cfg.block_m) * triton.cdiv(n, cfg.block_n),)
 

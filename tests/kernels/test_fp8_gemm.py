@@ -109,6 +109,20 @@ def test_triton_interpreted_dense_and_masked():
 
 
 @needs_triton_interp
+def test_triton_interpreted_masked_without_a_config():
+    """32 rows per group: no config takes 16-row tiles from MASKED_CFGS (128 and 64 do not divide 32)."""
+    rng = np.random.default_rng(6)
+    g, mm, n, k = 3, 32, 130, 300
+    a, b = _fp8(rng, (g, mm, k)), _fp8(rng, (g, n, k))
+    a_s, b_s = _scales(rng, (g, mm, 3)), _scales(rng, (g, 2, 3))
+    masked = jnp.asarray([7, 32, 0], jnp.int32)
+    args = [*map(jnp.asarray, (a, a_s, b, b_s)), masked]
+    out = np.asarray(grouped_masked(*args, out_dtype=jnp.float32, impl="interpret"))
+    live = np.arange(mm)[None] < np.asarray(masked)[:, None]
+    assert_close(out[live], np.asarray(grouped_masked(*args, out_dtype=jnp.float32, impl="ref"))[live], 1e-6)
+
+
+@needs_triton_interp
 def test_triton_interpreted_contiguous():
     rng = np.random.default_rng(5)
     g, n, k = 3, 64, 256

@@ -9,12 +9,14 @@ from checks import assert_close, needs_triton_interp
 
 from djax.kernels import grouped_gemm_ref as ref
 from djax.kernels.grouped_gemm import (
+    MASKED_CFGS,
     GemmConfig,
     grouped_gemm,
     grouped_gemm_masked,
     grouped_swiglu,
     grouped_swiglu_masked,
 )
+from djax.kernels.grouped_gemm_triton import masked_config
 from djax.kernels.moe_experts import layout, moe_experts, padded_rows
 from djax.models.moe import experts_dense, experts_ragged
 
@@ -93,6 +95,28 @@ def test_masked_triton_interpreted_skips_dead_tiles():
     assert np.isnan(out[0]).all() and np.isnan(out[2, 32 - 1]).all()  # tiles past the count: never written
     h = np.asarray(grouped_swiglu_masked(a, b, b3, cnt, 0.0, impl="interpret", cfg=SMALL))
     assert_close(h[live], np.asarray(grouped_swiglu_masked(a, b, b3, cnt, 0.0, impl="ref"))[live], 1e-5)
+
+
+def test_masked_config_takes_the_widest_tile_dividing_the_rows():
+    picks = {mm: masked_config(mm, MASKED_CFGS).block_m for mm in (256, 128, 192, 64, 48, 16)}
+    assert picks == {256: 128, 128: 128, 192: 64, 64: 64, 48: 16, 16: 16}
+    with pytest.raises(ValueError, match="masked rows per group 40 must be a multiple of 16"):
+        masked_config(40, MASKED_CFGS)
+
+
+@needs_triton_interp
+def test_masked_triton_interpreted_without_a_config():
+    """48 rows per group: no config takes 16-row tiles (128 and 64 do not divide 48); 40 rows: a clear error."""
+    rng = np.random.default_rng(5)
+    g, mm, n, k = 3, 48, 40, 72
+    a = jnp.asarray(rng.standard_normal((g, mm, k)), jnp.float32)
+    b = jnp.asarray(rng.standard_normal((g, n, k)), jnp.float32)
+    cnt = jnp.asarray([48, 0, 21], jnp.int32)
+    live = np.arange(mm)[None] < np.asarray(cnt)[:, None]
+    out = np.asarray(grouped_gemm_masked(a, b, cnt, impl="interpret"))
+    assert_close(out[live], np.asarray(grouped_gemm_masked(a, b, cnt, impl="ref"))[live], 1e-5)
+    with pytest.raises(ValueError, match="masked rows per group 40"):
+        grouped_gemm_masked(a[:, :40], b, cnt, impl="interpret")
 
 
 @pytest.mark.parametrize("impl", ["ref", pytest.param("interpret", marks=needs_triton_interp)])

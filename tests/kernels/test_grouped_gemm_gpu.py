@@ -152,6 +152,29 @@ def test_masked_triton_matches_ref(cfg):
     assert_close(np.asarray(y, np.float32)[live], np.asarray(yr, np.float32)[live], 1e-2)
 
 
+@pytest.mark.parametrize("mm", [64, 48])
+def test_masked_auto_takes_a_tile_that_fits_the_rows_per_group(mm):
+    """No config: 64 rows per group (V4-Flash's decode capacity) and 48 are not multiples of the 128-row
+    default tile; the masked GEMMs, bf16 and FP8, take tiles that divide them."""
+    g, k, n = 8, 512, 256
+    cnt = jnp.asarray([0, mm, 5, mm - 1, 1, 0, 17, 3], jnp.int32)
+    live = np.arange(mm)[None] < np.asarray(cnt)[:, None]
+    a = jax.random.normal(jax.random.key(20), (g, mm, k), BF16)
+    b = jax.random.normal(jax.random.key(21), (g, n, k), BF16) * k**-0.5
+    got = grouped_gemm_masked(a, b, cnt)
+    assert_close(
+        np.asarray(got, np.float32)[live],
+        np.asarray(grouped_gemm_masked(a, b, cnt, impl="ref"), np.float32)[live],
+        1e-2,
+    )
+    f32 = jnp.float32
+    am, am_s = quantize_act(jax.random.normal(jax.random.key(22), (g, mm, k), f32))
+    bg, bg_s = quantize_weight(jax.random.normal(jax.random.key(23), (g, n, k), f32))
+    out = grouped_masked(am, am_s, bg, bg_s, cnt, f32)
+    ref = grouped_masked(am, am_s, bg, bg_s, cnt, f32, impl="ref")
+    assert_close(np.asarray(out)[live], np.asarray(ref)[live], 4e-4)  # the FP8 accumulator, as below
+
+
 @pytest.mark.parametrize(
     "cfg",
     [
