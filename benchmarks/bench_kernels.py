@@ -398,9 +398,9 @@ def run(
             ]
             flops, nbytes = 2 * b * h * s * c, 2 * b * s * c + 4 * b * s + 2 * b * h * c
             shape = f"b{b} H{h} c{c} s{s}"
-            tr = record(
-                "index_scores", shape, "xla_ref", lambda *a: index_scores(*a, impl="ref"), sets, flops, nbytes
-            )
+            ref = lambda *a: index_scores(*a, impl="ref")  # noqa: E731
+            check = (ref, lambda out: out)  # every entry is live (lengths = s): no -inf
+            tr = record("index_scores", shape, "xla_ref", ref, sets, flops, nbytes)
             for bs in (64, 128):
                 record(
                     "index_scores",
@@ -411,9 +411,12 @@ def run(
                     flops,
                     nbytes,
                     tr,
+                    check,
                 )
-            record("index_scores", shape, "auto", lambda *a: index_scores(*a), sets, flops, nbytes, tr)
+            record("index_scores", shape, "auto", lambda *a: index_scores(*a), sets, flops, nbytes, tr, check)
             kk = min(512, s)
+            # the selected values (descending): indices of tied scores may differ, the values may not
+            check = (lambda *a, kk=kk: indexer_topk(*a, kk, impl="ref")[0], lambda out: out[0])
             tr = record(
                 "indexer_topk",
                 shape + f" k{kk}",
@@ -432,6 +435,7 @@ def run(
                 flops,
                 nbytes,
                 tr,
+                check,
             )
             record(
                 "indexer_topk",
@@ -442,6 +446,7 @@ def run(
                 flops,
                 nbytes,
                 tr,
+                check,
             )
 
     if "topk" in only:
