@@ -1,6 +1,6 @@
 """Times each djax kernel against XLA's lowering of its jnp reference: time, TFLOP/s, GB/s, roofline ratio.
 
-python benchmarks/bench_kernels.py [--out DIR] [--small] [--only attn,index,topk,moe,fp8,attn_blocks,fp8_linear]
+python benchmarks/bench_kernels.py [--out DIR] [--small] [--only attn,index,topk,moe,fp8,...] [--defaults-only]
 (on a CUDA GPU; writes kernels_<device>.json and .png; the MoE and FP8 cases are in bench_moe.py)
 
 Each fast output is checked against the reference first (rel_err). Times are device time per call (the
@@ -24,7 +24,7 @@ from pathlib import Path
 import jax
 import jax.numpy as jnp
 import numpy as np
-from bench_moe import fp8_cases, moe_cases, moe_fp8_cases, rel_err  # noqa: E402 (the script's directory is on sys.path)
+from bench_moe import fp8_cases, fp8_grouped_ep_cases, moe_cases, moe_fp8_cases, rel_err  # noqa: E402 (the script's directory is on sys.path)
 from profile_decode import kernel_table  # noqa: E402
 
 from djax.kernels.indexer import index_scores, indexer_topk
@@ -503,7 +503,13 @@ def run(
             record("topk", shape, "auto", lambda x, k=k: topk(x, k), sets, 0, nbytes, tr, check)
 
     fp8 = functools.partial(fp8_cases, shapes=fp8_shapes) if fp8_shapes else fp8_cases
-    cases = {"moe": moe_cases, "fp8": fp8, "fp8_linear": fp8_linear_cases, "moe_fp8": moe_fp8_cases}
+    cases = {
+        "moe": moe_cases,
+        "fp8": fp8,
+        "fp8_grouped_ep": fp8_grouped_ep_cases,
+        "fp8_linear": fp8_linear_cases,
+        "moe_fp8": moe_fp8_cases,
+    }
     for section in (s for s in cases if s in only):
         save()
         cases[section](record, small)
@@ -604,7 +610,9 @@ if __name__ == "__main__":
         help="comma list of sections: attn (sparse decode attention), index (indexer scores + top-k), topk, moe, "
         "fp8, attn_blocks (not in the default: the sparse decode at b 64 over 1 to 5 key blocks per split), "
         "fp8_linear (not in the default: the model's FP8 projections with and without fp8_gemm), moe_fp8 (not in "
-        "the default: routed experts with FP8 weights, made dense on use or read by the FP8 grouped GEMMs)",
+        "the default: routed experts with FP8 weights, made dense on use or read by the FP8 grouped GEMMs), "
+        "fp8_grouped_ep (not in the default: FP8 grouped contiguous at few groups of many rows, an "
+        "expert-parallel rank's local experts)",
     )
     ap.add_argument(
         "--defaults-only",

@@ -414,6 +414,106 @@ def fp8_cases(record, small: bool, shapes=None):
     one("masked", 64 if not small else 8)
 
 
+# Contiguous layouts of few groups with many rows each, what one expert-parallel rank's local experts take at
+# prefill: the shapes DeepGEMM times its contiguous kernel at (groups x mean rows, n, k), and V4-Flash's 32 local
+# experts of 256 on 8 ranks at 4,096 tokens a rank (top-6: about 768 rows each), gate or up (n 2048, k 4096)
+# and down (n 4096, k 2048)
+GROUPED_EP_SHAPES = [
+    (4, 8192, 4096, 7168),
+    (8, 4096, 4096, 7168),
+    (4, 8192, 7168, 2048),
+    (8, 4096, 7168, 2048),
+    (32, 768, 2048, 4096),
+    (32, 768, 4096, 2048),
+]
+
+
+def group_sizes(groups: int, mean: int, seed: int) -> np.ndarray:
+    """Rows per group, uneven as routing makes them: uniform in [0.7, 1.3] x mean (fixed by seed)."""
+    rng = np.random.default_rng(seed)
+    return np.maximum(1, (mean * rng.uniform(0.7, 1.3, groups)).astype(np.int64))
+
+
+def contiguous_indices(sizes: np.ndarray, block_m: int = 128) -> np.ndarray:
+    """m_indices of the contiguous layout: each group's rows, then -1 up to the next multiple of block_m
+    (no rows past the last group: the row count is exact, as a rank that knows its received tokens has)."""
+    return np.concatenate(
+        [np.r_[np.full(r, g), np.full(-r % block_m, -1)] for g, r in enumerate(sizes)]
+    ).astype(np.int32)
+
+
+def fp8_grouped_ep_cases(record, small: bool):
+    """FP8 grouped contiguous at `GROUPED_EP_SHAPES`: XLA's per-tensor FP8 dot per group (cuBLAS, one scale per
+    tensor: a bound, not the same work), TileLang's default, its dense kernel over the same rows (FLOPs of every
+    row there), "auto" and Triton's default. FLOPs count the groups' rows, not their padding. Checked against the
+    reference on the first 1,024 rows."""
+    f32 = jnp.float32
+    shapes = GROUPED_EP_SHAPES if not small else [(3, 100, 256, 256)]
+    for i, (groups, mean, n, k) in enumerate(shapes):
+        sizes = group_sizes(groups, mean, seed=groups + mean + n + k)  # one layout per shape
+        mi = contiguous_indices(sizes)
+        m = mi.size
+        spans = [(int(s), int(r)) for s, r in zip(np.r_[0, np.cumsum(-(-sizes // 128) * 128)[:-1]], sizes)]
+        b, b_s = quantize_weight(jax.random.normal(jax.random.key(100 + i), (groups, n, k), BF16))
+        sets = []
+        for s in range(timing_sets(m)):
+            x = jax.random.normal(jax.random.key(110 + s), (m, k), f32)
+            a, a_s = quantize_act(jnp.where((mi >= 0)[:, None], x, 0))
+            sets.append((a, a_s, b, b_s, jnp.asarray(mi)))
+        picks = int(sizes.sum())
+        flops, nbytes = 2 * picks * n * k, m * k + groups * n * k + 2 * m * n
+        shape = f"contiguous g{groups} x~{mean} ({m} rows, {picks} live) n{n} k{k}"
+        rows = min(1024, m)
+        sel = mi[:rows] >= 0
+        check = (
+            lambda a, a_s, b, b_s, g, rows=rows, sel=sel: grouped_contiguous(
+                a[:rows], a_s[:rows], b, b_s, g[:rows], impl="ref"
+            )[sel],
+            lambda out, rows=rows, sel=sel: out[:rows][sel],
+        )
+
+        def per_group(a, a_s, b, b_s, g, spans=spans):
+            return jnp.concatenate(
+                [
+                    (
+                        jnp.dot(a[s : s + r], b[j].T, preferred_element_type=f32) * a_s[0, 0] * b_s[j, 0, 0]
+                    ).astype(BF16)
+                    for j, (s, r) in enumerate(spans)
+                ]
+            )
+
+        tr = record(
+            "fp8_grouped", shape, "xla fp8 dot per group, per-tensor scale", per_group, sets, flops, nbytes
+        )
+        variants = []
+        if has_tilelang() and not small:
+            variants.append(("tilelang (its default)", dict(impl="tilelang")))
+            # what grouping costs: the dense kernel over the same rows with one weight matrix (not checked)
+            record(
+                "fp8_grouped",
+                shape,
+                "tilelang dense kernel, group 0's weight for every row",
+                lambda a, a_s, b, b_s, g: fp8_gemm(a, a_s, b[0], b_s[0], impl="tilelang", variant="ws"),
+                sets,
+                2 * m * n * k,
+                nbytes,
+                tr,
+            )
+        variants += [("auto", {}), ("triton (its default)", dict(impl="triton"))]
+        for name, kw in variants:
+            record(
+                "fp8_grouped",
+                shape,
+                name,
+                lambda *z, kw=kw: grouped_contiguous(*z, **kw),
+                sets,
+                flops,
+                nbytes,
+                tr,
+                check,
+            )
+
+
 def layout_rows(record, shape, idx_sets, e, bm):
     """The picks' padded expert layout alone (`moe_experts.layout`): XLA's ops against the one Triton
     program, checked equal. Bytes: idx read, rows, m_indices and pos written."""
