@@ -3,11 +3,13 @@ as one device."""
 
 import textwrap
 
+import pytest
+
 from tests.cpu_devices import run_on_cpu_devices
 
 SCRIPT = textwrap.dedent(
     """
-    import re
+    import re, sys
     import jax, jax.numpy as jnp, numpy as np
     jax.config.update("jax_default_matmul_precision", "highest")
     from jax.sharding import NamedSharding, PartitionSpec as P
@@ -24,7 +26,7 @@ SCRIPT = textwrap.dedent(
     mesh = djax.make_mesh(dp=1, ep=2)
     row = NamedSharding(mesh, P(("dp", "ep")))
     impl = djax.ExpertParallel(mesh, "grouped")
-    for name in ("tiny-v4", "tiny-v41"):
+    for name in sys.argv[1:]:
         cfg = djax.preset(name)  # float32
         params = jax.device_put(init_params_host(cfg, 0))
         tokens = jax.random.randint(jax.random.key(1), (4, 24), 0, cfg.vocab_size)
@@ -89,6 +91,7 @@ SCRIPT = textwrap.dedent(
 )
 
 
-def test_batch_split_decode_keeps_state_split_and_equals_one_device():
-    out = run_on_cpu_devices(SCRIPT, 2)
-    assert out.count("ok") == 2, out
+@pytest.mark.parametrize("name", ["tiny-v4", "tiny-v41"])  # one process each: the two can run side by side
+def test_batch_split_decode_keeps_state_split_and_equals_one_device(name):
+    out = run_on_cpu_devices(SCRIPT, 2, name)
+    assert out.count(f"ok {name} ") == 1, out
