@@ -44,6 +44,8 @@ TILELANG_TILINGS = {
         (64, 2, 12, 2, False),
         (64, 2, 12, 2, True),
         (64, 2, 12, 2, "dsmem"),
+        (64, 2, 12, 2, "push"),
+        (64, 2, 12, 2, "push_bf16"),
         (64, 2, 12, 3, "dsmem"),
         (32, 4, 12, 2, "dsmem"),
     ],
@@ -310,7 +312,7 @@ def run(
                     "sparse_decode",
                     shape,
                     f"tilelang bs{bs} st{st} w{nw} split{ns}"
-                    + {False: "", True: " merged", "dsmem": " merged dsmem"}[merge],
+                    + {False: "", True: " merged"}.get(merge, f" merged {merge}"),
                     lambda *a, bs=bs, st=st, nw=nw, ns=ns, merge=merge: sparse_decode(
                         *a,
                         scale=scale,

@@ -9,6 +9,8 @@ from djax.kernels import shapes
 from djax.kernels.dispatch import has_tilelang, on_cuda, resolve
 from djax.kernels.sparse_attn_ref import combine_splits, sparse_decode_ref
 
+MERGES = (False, True, "dsmem", "push", "push_bf16")  # merge_splits' values
+
 
 def sparse_decode(
     q,
@@ -42,7 +44,10 @@ def sparse_decode(
     splits): the splits of a row run as one thread-block cluster and merge inside the kernel instead of
     through f32 partials merged after: True exchanges the partials through global memory (L2), "dsmem"
     through distributed shared memory (the cluster's shared memory, over the finished key ring; needs
-    num_stages * block_s = 128). Unsupported shapes raise ValueError.
+    num_stages * block_s = 128), "push" (2 splits) each split sending the other the values of the half of
+    the columns that the other stores, from registers, with no cluster barrier after the key loop
+    ("push_bf16": those values rounded to bf16 on the way, half the bytes).
+    Unsupported shapes raise ValueError.
     """
     shapes.sparse_decode(q, window, window_valid, pool, topk, sinks)
     if impl == "auto" and q.dtype == jnp.bfloat16 and on_cuda() and has_tilelang():
@@ -51,9 +56,11 @@ def sparse_decode(
         tiling = default_tiling(q.shape[0], q.shape[1], q.shape[2], window.shape[1], topk.shape[1])
         if tiling is not None:
             impl, block_s, num_stages, nsplit = "tilelang", tiling.block_s, tiling.stages, tiling.nsplit
-            num_warps, merge_splits = tiling.threads // 32, "dsmem" if tiling.dsmem else tiling.merge
-    if merge_splits not in (False, True, "dsmem"):
-        raise ValueError(f'merge_splits must be False, True or "dsmem", got {merge_splits!r}')
+            num_warps = tiling.threads // 32
+            push = "push_bf16" if tiling.push_bf16 else "push"
+            merge_splits = push if tiling.push else "dsmem" if tiling.dsmem else tiling.merge
+    if merge_splits not in MERGES:
+        raise ValueError(f"merge_splits must be one of {MERGES}, got {merge_splits!r}")
     impl = resolve(impl, ("ref", "triton", "tilelang"))
     if merge_splits and impl == "triton":
         raise ValueError("merge_splits is a TileLang option: the Triton kernel merges its splits after")
@@ -62,8 +69,9 @@ def sparse_decode(
     if impl == "tilelang":
         from djax.kernels.sparse_attn_tilelang import Tiling, sparse_decode_tilelang
 
-        merge, dsmem = bool(merge_splits), merge_splits == "dsmem"
-        tiling = Tiling(block_s, max(num_stages, 2), 32 * num_warps, nsplit, merge, dsmem)
+        merge, dsmem, push = bool(merge_splits), merge_splits == "dsmem", str(merge_splits).startswith("push")
+        bf16 = merge_splits == "push_bf16"
+        tiling = Tiling(block_s, max(num_stages, 2), 32 * num_warps, nsplit, merge, dsmem, push, bf16)
         return sparse_decode_tilelang(q, window, window_valid, pool, topk, sinks, scale, tiling)
     return _triton(
         q, window, window_valid, pool, topk, sinks, scale, block_h, block_s, num_warps, num_stages, nsplit

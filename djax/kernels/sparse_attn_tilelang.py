@@ -54,6 +54,7 @@ _RESULTS = {
     "split": ("p6_part", "p7_lse"),
     "merge": ("p6_out", "p7_part", "p8_lse"),
     "dsmem": ("p6_out", "p8_lse"),  # the merged entry with the unused partial dropped by TileLang
+    "push": ("p6_out",),  # and with push the log-sum-exps too
 }
 _MAX_CLUSTER = 8  # the portable thread-block cluster size
 
@@ -66,7 +67,14 @@ class Tiling:
     in the kernel (warp-specialised program, 2 to 8 splits); otherwise `combine_splits` merges them after.
     dsmem (with merge): the partials stay in shared memory, over the finished key ring, and each split
     reads its slice of the others' through distributed shared memory; only the log-sum-exps go to global
-    memory. Needs stages * block_s = 128 (the ring's bytes are exactly the f32 partial's)."""
+    memory. Needs stages * block_s = 128 (the ring's bytes are exactly the f32 partial's).
+    push (with merge, 2 splits): no partial is staged and no cluster barrier follows the key loop. Split 0
+    stores the value columns of its softmax warpgroup, split 1 those of its other warpgroup; the warpgroup
+    whose columns the other split stores sends its accumulator there straight from its registers
+    (st.async into the peer's q buffers, free once the peer's last Q K^T is done), and each softmax
+    warpgroup sends its running max and denominator per head the same way (`_PUSH_MERGE`).
+    push_bf16 (with push): the values cross as bf16 (half the bytes through the cluster), rounded once more
+    before the weighted sum."""
 
     block_s: int = 64
     stages: int = 2
@@ -74,6 +82,8 @@ class Tiling:
     nsplit: int = 1
     merge: bool = False
     dsmem: bool = False
+    push: bool = False
+    push_bf16: bool = False
 
     @property
     def warpgroups(self) -> int:
@@ -102,8 +112,10 @@ def _blocks(w: int, t: int, block_s: int) -> tuple[int, int]:
 def shared_bytes(k: int, w: int, t: int, tiling: Tiling) -> int:
     """Shared memory the program asks for: q, the key ring, P, the per-slot row table (static shared)."""
     nbw, nbt = _blocks(w, t, tiling.block_s)
-    # the warp-specialised program's alpha and 1 / l tables, and with merge every split's weights
-    extra = 4 * HEADS * (2 + (tiling.nsplit if tiling.merge else 0)) if tiling.ws else 0
+    # the warp-specialised program's alpha and 1 / l tables, and with merge every split's weights (with
+    # push: the max and denominator per head, and the peer's, 4 floats per 2 heads)
+    per_merge = 4 if tiling.push else tiling.nsplit
+    extra = 4 * HEADS * (2 + (per_merge if tiling.merge else 0)) if tiling.ws else 0
     return (
         2 * (HEADS * k + tiling.stages * tiling.block_s * k + HEADS * tiling.block_s)
         + 4 * ((nbw + nbt) * tiling.block_s)
@@ -145,6 +157,14 @@ def check_shapes(h: int, k: int, w: int, c: int, t: int, tiling: Tiling) -> None
             f"partial of 64 heads fits, and head dim a multiple of 64 (its swizzle spans 32 columns a half): "
             f"got merge={tiling.merge}, {tiling.stages} x {bs}, head dim {k}"
         )
+    if tiling.push and not (tiling.merge and not tiling.dsmem and tiling.nsplit == 2 and k % 64 == 0):
+        raise ValueError(
+            f"push needs merge (not dsmem), 2 splits (each stores half the value columns) and head dim a "
+            f"multiple of 64: got merge={tiling.merge}, dsmem={tiling.dsmem}, nsplit {tiling.nsplit}, "
+            f"head dim {k}"
+        )
+    if tiling.push_bf16 and not tiling.push:
+        raise ValueError("push_bf16 needs push")
     if min(w, c, t) < 1:
         raise ValueError(f"need W, C, T >= 1, got W={w} C={c} T={t}")
     nb = sum(_blocks(w, t, bs))
@@ -450,7 +470,7 @@ def ws_program(b: int, h: int, k: int, w: int, c: int, t: int, scale: float, til
     fill_rows, softmax_step, reciprocal = _row_table(w, c, t, bs), _softmax_step(bs, qk), _reciprocal()
     bf16, f32, i32 = "bfloat16", "float32", "int32"
 
-    merge, dsmem = tiling.merge, tiling.dsmem
+    merge, dsmem, push = tiling.merge, tiling.dsmem, tiling.push
     quads = -(-k // 4 // nsplit)  # with merge: each split merges this many 4-column groups (the last fewer)
 
     @T.macro
@@ -535,6 +555,31 @@ def ws_program(b: int, h: int, k: int, w: int, c: int, t: int, scale: float, til
             merge_slice(out, part, wts, bx, by, bz, h0, tid)
 
     @T.macro
+    def push_end(out, bx, by, bz, tid, g, acc, m_at, l_at, q_l, q_r, ml_peer, ring, xbar):
+        """With push, consumer warpgroup g's end (`_PUSH_MERGE`): the split that stores g's value columns
+        adds the peer's values to its own and stores bf16 (staged in g's key ring, which only g reads
+        after the last Q K^T); the other one sends them. m_at, l_at: this split's max and denominator per
+        head (registers for g 0, the shared copies for g 1)."""
+        T.call_extern(
+            "handle",
+            f"djax_push_merge<{kh}, {k}, {g}, {int(tiling.push_bf16)}>",
+            out.data,  # address_of a global element fails to lower here: base and offset
+            (bx * h + by * HEADS) * k,
+            acc.data,
+            m_at,
+            l_at,
+            T.address_of(q_l[0, 0]),
+            T.address_of(q_r[0, 0]),
+            T.address_of(ml_peer[0]),
+            T.address_of(ring[0, 0, 0]),
+            xbar[0],
+            xbar[1],
+            xbar[2],
+            bz,
+            tid,
+        )
+
+    @T.macro
     def body(bx, by, bz, lo, n, first, q, win, valid, pool, topk, sinks, out, part, lse):
         q_l = T.alloc_shared((HEADS, kh), bf16)
         q_r = T.alloc_shared((HEADS, kh), bf16)
@@ -558,7 +603,13 @@ def ws_program(b: int, h: int, k: int, w: int, c: int, t: int, scale: float, til
         p_ready = T.alloc_barrier(128)  # softmax warpgroup: P and alpha written
         p_free = T.alloc_barrier(128)  # right warpgroup: done reading P and alpha
         l_ready = T.alloc_barrier(128)  # softmax warpgroup: final 1 / l written
-        if merge:  # the merge's state: every split's weight per head, its barrier, two scalars
+        if push:  # this split's max and denominator per head (for the second warpgroup), the peer's, and
+            # the barriers: the peer's values have landed; the peer's q may be written; the peer has ours
+            m_s = T.alloc_shared((HEADS,), f32, scope="shared")
+            l_s = T.alloc_shared((HEADS,), f32, scope="shared")
+            ml_peer = T.alloc_shared((2 * HEADS,), f32, scope="shared")
+            xbar = T.alloc_barrier([1, 1, 1])
+        elif merge:  # the merge's state: every split's weight per head, its barrier, two scalars
             wts = T.alloc_shared((nsplit, HEADS), f32, scope="shared")
             w_ready = T.alloc_barrier(128)  # softmax warpgroup has written the weights
             top = T.alloc_var(f32)
@@ -575,6 +626,13 @@ def ws_program(b: int, h: int, k: int, w: int, c: int, t: int, scale: float, til
 
         if tx >= 256:
             T.set_max_nreg(80, 0)
+            if push:
+                if tx == 256:  # the bytes the peer will send here: its half of the values, its max and sum
+                    T.mbarrier_arrive_expect_tx(
+                        xbar[0], HEADS * k * (1 if tiling.push_bf16 else 2) + 2 * HEADS * 4
+                    )
+                # every CTA's barriers initialised before the peer sends to them; waited for after the loops
+                T.cluster_arrive_relaxed()
             for g in T.serial(n):
                 st = g % ns
                 T.barrier_wait(free[st], ((g // ns) & 1) ^ 1)
@@ -604,7 +662,9 @@ def ws_program(b: int, h: int, k: int, w: int, c: int, t: int, scale: float, til
                             T.cast(0, bf16),
                         )
                 T.cp_async_barrier_noinc(ready[st])
-            if merge:  # every thread of the cluster arrives once (twice with dsmem: see below)
+            if push:
+                T.cluster_wait()
+            elif merge:  # every thread of the cluster arrives once (twice with dsmem: see below)
                 T.cluster_arrive()
                 T.cluster_wait()
                 if dsmem:
@@ -612,6 +672,8 @@ def ws_program(b: int, h: int, k: int, w: int, c: int, t: int, scale: float, til
                     T.cluster_wait()
         elif tx < 128:
             T.set_max_nreg(240, 1)
+            if push:
+                T.cluster_arrive_relaxed()
             for hh in T.Parallel(HEADS):
                 m[hh] = sinks[by * HEADS + hh] * _LOG2E  # the sink seeds the max in every split
                 l[hh] = T.if_then_else(first, 1.0, 0.0)
@@ -632,11 +694,19 @@ def ws_program(b: int, h: int, k: int, w: int, c: int, t: int, scale: float, til
                 T.barrier_arrive(p_ready)
                 T.gemm(p_s, k_l[st, :, :], acc_l)
                 T.barrier_arrive(free[st])
-            reciprocal(l, inv)
-            T.copy(inv, inv_s)
-            T.barrier_arrive(l_ready)
-            end_half(out, part, bx, by, bz, 0, acc_l, k_l, inv)
-            if nsplit > 1:
+            if push:
+                # this split's max and denominator, for the other warpgroup (which may store)
+                T.copy(m, m_s)
+                T.copy(l, l_s)
+                T.barrier_arrive(l_ready)
+                T.cluster_wait()
+                push_end(out, bx, by, bz, tx, 0, acc_l, m.data, l.data, q_l, q_r, ml_peer, k_l, xbar)
+            else:
+                reciprocal(l, inv)
+                T.copy(inv, inv_s)
+                T.barrier_arrive(l_ready)
+                end_half(out, part, bx, by, bz, 0, acc_l, k_l, inv)
+            if nsplit > 1 and not push:
                 # With merge, a launch without the cluster would let a split read the others' partials
                 # before they are written: the rank check makes that NaN, not a plausible wrong answer.
                 live = T.block_rank_in_cluster() == bz if merge else True
@@ -646,7 +716,7 @@ def ws_program(b: int, h: int, k: int, w: int, c: int, t: int, scale: float, til
                         T.if_then_else(l[hh] > 0, m[hh] + T.log2(l[hh]), -T.infinity(f32)),
                         T.float32(math.nan),
                     )
-            if merge:
+            if merge and not push:
                 T.cluster_arrive()  # release: this split's partial and lse, to the cluster
                 T.cluster_wait()  # acquire: every split's
                 # weights per head: exp2(lse_j - max) / sum (split 0 holds the sink, so the max is finite;
@@ -665,6 +735,8 @@ def ws_program(b: int, h: int, k: int, w: int, c: int, t: int, scale: float, til
                 merge_heads(out, part, k_l, k_r, wts, bx, by, bz, 0, tx)
         else:
             T.set_max_nreg(168, 1)
+            if push:
+                T.cluster_arrive_relaxed()
             T.clear(acc_r)
             for g in T.serial(n):
                 st = g % ns
@@ -675,8 +747,27 @@ def ws_program(b: int, h: int, k: int, w: int, c: int, t: int, scale: float, til
                 T.barrier_arrive(p_free)
                 T.barrier_arrive(free[st])
             T.barrier_wait(l_ready, 0)
-            end_half(out, part, bx, by, bz, kh, acc_r, k_r, inv_s)
-            if merge:
+            if push:
+                T.cluster_wait()
+                push_end(
+                    out,
+                    bx,
+                    by,
+                    bz,
+                    tx - 128,
+                    1,
+                    acc_r,
+                    T.address_of(m_s[0]),
+                    T.address_of(l_s[0]),
+                    q_l,
+                    q_r,
+                    ml_peer,
+                    k_r,
+                    xbar,
+                )
+            else:
+                end_half(out, part, bx, by, bz, kh, acc_r, k_r, inv_s)
+            if merge and not push:
                 T.cluster_arrive()
                 T.cluster_wait()
                 T.barrier_wait(w_ready, 0)
@@ -703,14 +794,15 @@ def lower_cuda(
     """CUDA source and launch parameters (name, grid, threads, shared_bytes, params). No GPU needed."""
     program = ws_program if tiling.ws else cuda_program
     art = lower(program(b, h, k, w, c, t, scale, tiling), {"kind": "cuda", "arch": ARCH}, POINTER_ONLY)
-    kind = (
-        "plain" if tiling.nsplit == 1 else "dsmem" if tiling.dsmem else "merge" if tiling.merge else "split"
-    )
+    kinds = [("plain", tiling.nsplit == 1), ("push", tiling.push), ("dsmem", tiling.dsmem)]
+    kind = next((name for name, hit in kinds if hit), "merge" if tiling.merge else "split")
     source, launch = pointer_kernel(art, _OPERANDS + _RESULTS[kind])
     if tiling.merge:
         source = with_cluster(source, launch["name"], (1, 1, tiling.nsplit))
     if tiling.dsmem:
         source = with_device_code(source, _DSMEM_MERGE)
+    if tiling.push:
+        source = with_device_code(source, _PUSH_MERGE)
     return source, launch
 
 
@@ -776,6 +868,138 @@ __device__ __forceinline__ void djax_dsmem_merge(const bfloat16_t* out_ro, int o
 """
 
 
+# The pushed merge's two ends (`Tiling.push`), as CUDA put into the lowered source ahead of the kernel, called
+# by every thread of both consumer warpgroups after their key loops (and the cluster wait that makes the
+# peer's barriers visible). `acc` is the warpgroup's NQ x 4 accumulator registers in wgmma's layout: register
+# i of lane l in warp w holds head 16 w + l / 4 + 8 ((i / 2) % 2), column 8 (i / 4) + 2 (l % 4) + i % 2 of
+# the warpgroup's KH. The sending warpgroup puts quad q of thread t at float4 (q mod NQ/2) 128 + t of the
+# peer's q_l (q < NQ/2) or q_r, so the storing thread of the same position reads back exactly its own
+# (head, column) values, 16 contiguous bytes a lane. Each softmax warpgroup also sends its running max and
+# denominator of heads r and r + 8 (r = 16 w + l / 4) as one float4 at 8 w + l / 4 of the peer's `ml_peer`
+# (lanes l % 4 = 0). Three barriers a CTA: `recv_bar` completes when both have landed (expected since the
+# start), `may_send` when the peer's last Q K^T is done (its q is free), `done_bar` when the peer has all
+# of this split's bytes (so the CTA stays until then). The store combines the two splits' unnormalised
+# values: (acc e^{m - M} + acc' e^{m' - M}) / (l e^{m - M} + l' e^{m' - M}), M = max(m, m'), in base 2.
+_PUSH_MERGE = r"""
+__device__ __forceinline__ uint32_t djax_attn_peer(const void* local, int peer) {  // that address in the peer
+  uint32_t remote;
+  asm volatile("mapa.shared::cluster.u32 %0, %1, %2;"
+               : "=r"(remote) : "r"((uint32_t)__cvta_generic_to_shared(local)), "r"(peer));
+  return remote;
+}
+
+__device__ __forceinline__ uint32_t djax_bf16x2(float a, float b) {
+  bfloat16_t h[2] = {bfloat16_t(a), bfloat16_t(b)};
+  return *reinterpret_cast<const uint32_t*>(h);
+}
+
+template <int KH, int K, int G, bool BF16>
+__device__ __forceinline__ void djax_push_merge(const bfloat16_t* out_ro, int out_at, const float* acc,
+                                                const void* m_at, const void* l_at, const void* q_l,
+                                                const void* q_r, const float* ml_peer, void* stage,
+                                                Barrier& recv_bar, Barrier& may_send, Barrier& done_bar, int rank,
+                                                int tid) {
+  // TileLang declares the output const: this function is the only writer it does not see
+  bfloat16_t* out = const_cast<bfloat16_t*>(out_ro);
+  const float* m = static_cast<const float*>(m_at);
+  const float* l = static_cast<const float*>(l_at);
+  constexpr int NQ = KH / 8, HALF = NQ / 2;
+  const int w = tid / 32, lane = tid % 32, r0 = 16 * w + lane / 4, peer = rank ^ 1;
+  auto slot = [&](int q) {  // quad q's place in q_l / q_r (bf16: quads 2 p and 2 p + 1 at pair p of q_l)
+    const char* base = reinterpret_cast<const char*>(q < HALF || BF16 ? q_l : q_r);
+    return base + ((BF16 ? q / 2 : q % HALF) * 128 + tid) * 16;
+  };
+  if (G == 0) {
+    // every warp's last Q K^T is complete, so the peer may overwrite this split's q (release: after those reads)
+    asm volatile("bar.sync 12, 128;" ::: "memory");
+    if (tid == 0) {
+      asm volatile("mbarrier.arrive.release.cluster.shared::cluster.b64 _, [%0];"
+                   ::"r"(djax_attn_peer(&may_send, peer)) : "memory");
+    }
+    if (lane % 4 == 0) {
+      asm volatile(
+          "st.async.shared::cluster.mbarrier::complete_tx::bytes.v4.f32 [%0], {%1, %2, %3, %4}, [%5];"
+          ::"r"(djax_attn_peer(ml_peer + 4 * (8 * w + lane / 4), peer)), "f"(m[0]), "f"(m[1]), "f"(l[0]),
+          "f"(l[1]), "r"(djax_attn_peer(&recv_bar, peer)) : "memory");
+    }
+  }
+  if (G != rank) {  // the peer stores these columns
+    may_send.wait(0);
+    const uint32_t bar = djax_attn_peer(&recv_bar, peer);
+#pragma unroll
+    for (int q = 0; q < NQ; q += BF16 ? 2 : 1) {
+      if (BF16) {
+        const float* a = acc + 4 * q;
+        asm volatile(
+            "st.async.shared::cluster.mbarrier::complete_tx::bytes.v4.b32 [%0], {%1, %2, %3, %4}, [%5];"
+            ::"r"(djax_attn_peer(slot(q), peer)), "r"(djax_bf16x2(a[0], a[1])), "r"(djax_bf16x2(a[2], a[3])),
+            "r"(djax_bf16x2(a[4], a[5])), "r"(djax_bf16x2(a[6], a[7])), "r"(bar) : "memory");
+      } else {
+        asm volatile(
+            "st.async.shared::cluster.mbarrier::complete_tx::bytes.v4.f32 [%0], {%1, %2, %3, %4}, [%5];"
+            ::"r"(djax_attn_peer(slot(q), peer)), "f"(acc[4 * q]), "f"(acc[4 * q + 1]), "f"(acc[4 * q + 2]),
+            "f"(acc[4 * q + 3]), "r"(bar) : "memory");
+      }
+    }
+    if (tid == 0) done_bar.wait(0);  // keep this CTA until the peer has every byte
+    return;
+  }
+  // this split's max and denominator of heads r0 and r0 + 8: registers in the softmax warpgroup, shared
+  // copies (by head) in the other
+  const float m0 = G == 0 ? m[0] : m[r0], m1 = G == 0 ? m[1] : m[r0 + 8];
+  const float l0 = G == 0 ? l[0] : l[r0], l1 = G == 0 ? l[1] : l[r0 + 8];
+  recv_bar.wait(0);
+  if (tid == 0) {
+    asm volatile("mbarrier.arrive.relaxed.cluster.shared::cluster.b64 _, [%0];"
+                 ::"r"(djax_attn_peer(&done_bar, peer)) : "memory");
+  }
+  const float4 pm = reinterpret_cast<const float4*>(ml_peer)[8 * w + lane / 4];
+  uint32_t crank;
+  asm volatile("mov.u32 %0, %%cluster_ctarank;" : "=r"(crank));
+  // each split's weight per head; a launch without the cluster (rank != split) stores NaN, not a wrong answer
+  float own[2], other[2];
+  const float mo[2] = {m0, m1}, lo[2] = {l0, l1}, mp[2] = {pm.x, pm.y}, lp[2] = {pm.z, pm.w};
+#pragma unroll
+  for (int h = 0; h < 2; ++h) {
+    const float top = fmaxf(mo[h], mp[h]), a = exp2f(mo[h] - top), b = exp2f(mp[h] - top);
+    const float inv = crank == (uint32_t)rank ? 1.f / (lo[h] * a + lp[h] * b) : __int_as_float(0x7fc00000);
+    own[h] = a * inv;
+    other[h] = b * inv;
+  }
+  // bf16 rows staged in `stage` (16-byte chunk c of head r at chunk c ^ (r mod SW): a warp's 8 heads x 4 lanes
+  // write distinct banks), then stored half a head row (KH columns) per warp instruction: straight from the
+  // wgmma layout every store instruction would write 16 bytes into each of 8 rows
+  constexpr int SW = NQ < 8 ? NQ : 8, ROW = 2 * KH;  // bytes of a staged row
+  char* staged = static_cast<char*>(stage);
+#pragma unroll
+  for (int q = 0; q < NQ; ++q) {
+    float4 v;
+    if (BF16) {  // this quad's half of the pair
+      const uint2 pair = reinterpret_cast<const uint2*>(slot(q))[q % 2];
+      const bfloat16_t* h = reinterpret_cast<const bfloat16_t*>(&pair);
+      v = make_float4(float(h[0]), float(h[1]), float(h[2]), float(h[3]));
+    } else {
+      v = *reinterpret_cast<const float4*>(slot(q));
+    }
+    bfloat16_t top[2] = {bfloat16_t(acc[4 * q] * own[0] + v.x * other[0]),
+                         bfloat16_t(acc[4 * q + 1] * own[0] + v.y * other[0])};
+    bfloat16_t bottom[2] = {bfloat16_t(acc[4 * q + 2] * own[1] + v.z * other[1]),
+                            bfloat16_t(acc[4 * q + 3] * own[1] + v.w * other[1])};
+    const int at = ((q ^ (r0 % SW)) * 16) + 4 * (lane % 4);  // heads r0 and r0 + 8 share the swizzle
+    *reinterpret_cast<uint32_t*>(staged + r0 * ROW + at) = *reinterpret_cast<const uint32_t*>(top);
+    *reinterpret_cast<uint32_t*>(staged + (r0 + 8) * ROW + at) = *reinterpret_cast<const uint32_t*>(bottom);
+  }
+  asm volatile("bar.sync %0, 128;" ::"r"(12 + G) : "memory");
+#pragma unroll
+  for (int i = 0; i < 64 * NQ / 128; ++i) {
+    const int item = i * 128 + tid, r = item / NQ, c = item % NQ;
+    *reinterpret_cast<uint4*>(out + out_at + r * K + G * KH + 8 * c) =
+        *reinterpret_cast<const uint4*>(staged + r * ROW + (c ^ (r % SW)) * 16);
+  }
+}
+"""
+
+
 def _lowered_on_disk(b: int, h: int, k: int, w: int, c: int, t: int, scale: float, tiling: Tiling):
     """`lower_cuda`, kept on disk beside the cubins: lowering takes 5-15 s per shape and tiling (key: the
     arguments, TileLang's version, this module and the build helpers)."""
@@ -801,10 +1025,11 @@ def default_tiling(b: int, h: int, k: int, w: int, t: int) -> Tiling | None:
     From the H200 sweeps (benchmarks/results/kernels_h200_attn_q_early.json, _attn_b8_b32_run1/2.json,
     _attn_dsmem.json): the warp-specialised program with 64-key steps in 2 stages, split so that the grid
     covers the 132 SMs about once. Splits merge in the kernel where the clusters fit the SMs in one wave:
-    two splits through distributed shared memory (b64: 23.8 us against 28.2 through global memory and
-    30.1 merged after, one run) and, where more than 8 splits would be taken, 8 merged through global
-    memory (b8: 13.3-13.4 us against 14.0-14.6 for 10 merged after, three runs; 14.7 through distributed
-    shared memory). Clusters of 4 did not fit (b32, 4 splits merged 33.2-34.2 us against 21.1-21.5 merged
+    two splits pushing each other's halves in f32 (b64: 23.73-23.80 us against 23.95-24.11 through
+    distributed shared memory, six alternating rounds, attn_tilings_h200_push_ab.json; that was 23.8 us
+    against 28.2 through global memory and 30.1 merged after) and, where more than 8 splits would be
+    taken, 8 merged through global memory (b8: 13.3-13.4 us against 14.0-14.6 for 10 merged after, three
+    runs; 14.7 through distributed shared memory). Clusters of 4 did not fit (b32, 4 splits merged 33.2-34.2 us against 21.1-21.5 merged
     after), so 3 to 8 splits merge after. Where the warp-specialised program does not apply, the 8-warp
     one with the same splits, merged after.
     """
@@ -816,7 +1041,7 @@ def default_tiling(b: int, h: int, k: int, w: int, t: int) -> Tiling | None:
             tiling = Tiling(64, 2, threads, _MAX_CLUSTER, merge=True)
         else:
             pair = threads == 384 and nsplit == 2
-            tiling = Tiling(64, 2, threads, nsplit, merge=pair, dsmem=pair and k % 64 == 0)
+            tiling = Tiling(64, 2, threads, nsplit, merge=pair, push=pair and k % 64 == 0)
         try:
             check_shapes(h, k, w, 1, t, tiling)
         except ValueError:
@@ -846,6 +1071,8 @@ def sparse_decode_tilelang(
     kern = cuda_kernel(b, h, k, w, c, t, float(scale), tiling)
     if tiling.nsplit == 1:
         return cubin.launch(kern.cubin, kern.grid, args, jax.ShapeDtypeStruct(q.shape, q.dtype))
+    if tiling.push:  # nothing but the output leaves the cluster
+        return cubin.launch(kern.cubin, kern.grid, args, [jax.ShapeDtypeStruct(q.shape, q.dtype)])[0]
     if tiling.merge:  # the partials (and log-sum-exps) are scratch: the kernel has merged them into out
         results = [jax.ShapeDtypeStruct(q.shape, q.dtype), *split_results(q.shape, tiling.nsplit)]
         if tiling.dsmem:  # the partials stayed in shared memory

@@ -7,6 +7,7 @@ seconds per program, so the CPU tests lower few programs and share them through 
 """
 
 import functools
+import re
 import shutil
 
 import jax
@@ -27,10 +28,10 @@ BF16 = jnp.bfloat16
 
 
 @functools.cache
-def _lowered(shape, block_s, stages, threads, nsplit, merge=False, dsmem=False):
+def _lowered(shape, block_s, stages, threads, nsplit, merge=False, dsmem=False, push=False, bf16=False):
     from djax.kernels.sparse_attn_tilelang import Tiling, lower_cuda
 
-    return lower_cuda(*shape, 0.0625, Tiling(block_s, stages, threads, nsplit, merge, dsmem))
+    return lower_cuda(*shape, 0.0625, Tiling(block_s, stages, threads, nsplit, merge, dsmem, push, bf16))
 
 
 @needs_tilelang
@@ -110,6 +111,56 @@ def test_lowering_dsmem_merged_kernel():
 
 
 @needs_tilelang
+def test_lowering_push_merged_kernel():
+    """Splits merged by pushing: the 2 splits of a row are one cluster, only the output is a result (no
+    partials, no log-sum-exps), each CTA expects the peer's half of the values (64 heads x 64 columns f32)
+    and its max and denominator (64 x 2 f32) on one barrier, every thread meets the cluster barrier once
+    and relaxed (no releasing cluster barrier after the loop), and both consumer warpgroups end in
+    `djax_push_merge`, the softmax one (0) with its registers, the other (1) with the shared copies."""
+    src, launch = _lowered((3, 64, 128, 100, 300, 77), 64, 2, 384, 2, True, False, True)
+    assert launch["name"] == "sparse_decode_merged_kernel" and launch["grid"] == (3, 1, 2)
+    assert launch["params"] == (*OPERANDS, "p6_out")
+    assert "__launch_bounds__(384, 1) __cluster_dims__(1, 1, 2) sparse_decode_merged_kernel(" in src
+    kernel = src[src.index('extern "C" __global__') :]
+    assert "tl::cluster_arrive();" not in kernel and kernel.count("tl::cluster_arrive_relaxed();") == 3
+    assert kernel.count("tl::cluster_wait();") == 3
+    assert f"arrive_and_expect_tx({64 * 64 * 4 + 64 * 2 * 4})" in kernel
+    for g in (0, 1):  # the values in f32
+        assert kernel.count(f"djax_push_merge<64, 128, {g}, 0>(") == 1
+    assert "st.async.shared::cluster.mbarrier::complete_tx::bytes.v4.f32" in src and "p8_lse" not in src
+    bf16, _ = _lowered((3, 64, 128, 100, 300, 77), 64, 2, 384, 2, True, False, True, True)
+    assert f"arrive_and_expect_tx({64 * 64 * 2 + 64 * 2 * 4})" in bf16  # the values as bf16: half the bytes
+    assert "djax_push_merge<64, 128, 0, 1>(" in bf16 and "djax_push_merge<64, 128, 1, 1>(" in bf16
+
+
+@needs_tilelang
+def test_register_layouts_are_the_ones_push_merge_assumes():
+    """djax_push_merge reads the accumulator and the per-head max and denominator by register position: an
+    accumulator's register i of lane l in warp w is head 16 w + 8 ((i & 3) >> 1) + l / 4, column 8 (i >> 2) +
+    2 (l & 3) + (i & 1); a per-head fragment's register i is head 16 w + 8 i + l / 4. TileLang's own indexing
+    says where it puts them: the dsmem program's staging call (head and column of every accumulator
+    register) and the push program's copy of the max to shared memory."""
+    dsmem, _ = _lowered((3, 64, 128, 100, 300, 77), 32, 4, 384, 3, True, True)
+    push, _ = _lowered((3, 64, 128, 100, 300, 77), 64, 2, 384, 2, True, False, True)
+    (head, col) = re.findall(
+        r"djax_stage<64>\(\(&\(\(\(bfloat16_t\*\)k_l\)\[0\]\)\), (.*), (.*), \(acc_l\[i_\d+\]", dsmem
+    )[0]
+    (mhead, reg) = re.findall(r"m_s\[(.*)\] = m_at\[(i_\d+)\];", push)[0]
+    for tx in range(128):
+        w, lane = tx // 32, tx % 32
+        for i in range(32):
+            env = {"tx": tx, "i": i}
+            got = [
+                eval(re.sub(r"\bi_\d+\b", "i", e).replace("((int)threadIdx.x)", "tx"), {}, env)
+                for e in (head, col)
+            ]
+            assert got == [16 * w + 8 * ((i & 3) >> 1) + lane // 4, 8 * (i >> 2) + 2 * (lane & 3) + (i & 1)]
+        for i in range(2):
+            expr = mhead.replace(reg, "i").replace("((int)threadIdx.x)", "tx")
+            assert eval(expr, {}, {"tx": tx, "i": i}) == 16 * w + 8 * i + lane // 4
+
+
+@needs_tilelang
 @pytest.mark.parametrize(
     "shape,tiling,match",
     [
@@ -129,6 +180,11 @@ def test_lowering_dsmem_merged_kernel():
         ((8, 64, 512, 128, 2048, 512), (64, 2, 384, 2, False, True), "dsmem"),  # nothing to merge
         ((8, 64, 512, 128, 2048, 512), (32, 2, 384, 2, True, True), "dsmem"),  # ring of 64 keys
         ((8, 64, 96, 128, 2048, 512), (64, 2, 384, 2, True, True), "dsmem"),  # head dim 96
+        ((8, 64, 512, 128, 2048, 512), (64, 2, 384, 3, True, False, True), "push"),  # 2 splits only
+        ((8, 64, 512, 128, 2048, 512), (64, 2, 384, 2, False, False, True), "push"),  # nothing to merge
+        ((8, 64, 512, 128, 2048, 512), (64, 2, 384, 2, True, True, True), "push"),  # dsmem too
+        ((8, 64, 96, 128, 2048, 512), (64, 2, 384, 2, True, False, True), "push"),  # head dim 96
+        ((8, 64, 512, 128, 2048, 512), (64, 2, 384, 2, True, False, False, True), "push_bf16 needs push"),
     ],
 )
 def test_unsupported_shapes_raise_value_error(shape, tiling, match):
@@ -183,6 +239,9 @@ def _check(args, scale, **tiling):
         (64, 2, 12, 2, "dsmem"),
         (32, 4, 12, 3, "dsmem"),
         (32, 4, 12, 7, "dsmem"),
+        (64, 2, 12, 2, "push"),
+        (32, 3, 12, 2, "push"),
+        (64, 2, 12, 2, "push_bf16"),
     ],
 )
 def test_tilelang_matches_ref_odd_shapes(block_s, stages, warps, nsplit, merge):
@@ -214,6 +273,9 @@ def test_tilelang_matches_ref_odd_shapes(block_s, stages, warps, nsplit, merge):
         (64, 2, 64, 12, "dsmem"),
         (64, 4, 64, 12, "dsmem"),
         (8, 8, 64, 12, "dsmem"),
+        (64, 2, 64, 12, "push"),
+        (8, 2, 64, 12, "push"),
+        (64, 2, 64, 12, "push_bf16"),
     ],
 )
 def test_tilelang_matches_ref_benchmark_shape(b, nsplit, block_s, warps, merge):
@@ -234,6 +296,7 @@ def test_tilelang_large_logits_and_ring_129():
     _check(args, 512**-0.5, block_s=64, num_stages=2, num_warps=12, nsplit=3)
     _check(args, 512**-0.5, block_s=64, num_stages=2, num_warps=12, nsplit=3, merge_splits=True)
     _check(args, 512**-0.5, block_s=64, num_stages=2, num_warps=12, nsplit=3, merge_splits="dsmem")
+    _check(args, 512**-0.5, block_s=64, num_stages=2, num_warps=12, nsplit=2, merge_splits="push")
 
 
 def test_default_tiling_covers_the_sms_once_and_declines_other_heads():
@@ -241,11 +304,11 @@ def test_default_tiling_covers_the_sms_once_and_declines_other_heads():
 
     b64, b8 = default_tiling(64, 64, 512, 128, 512), default_tiling(8, 64, 512, 128, 512)
     assert (b64.block_s, b64.threads, b64.nsplit) == (64, 384, 2)  # warp-specialised, 128 CTAs
-    assert b64.merge and b64.dsmem  # the two splits of a row are one cluster, merged in shared memory
+    assert b64.merge and b64.push  # the two splits of a row are one cluster, each pushing the other's half
     assert default_tiling(128, 64, 512, 128, 512).nsplit == 1  # 128 rows fill the SMs alone
     # 10 key blocks, more splits than a portable cluster holds: 8 splits merged in the kernel, 64 CTAs
     assert b8.threads == 384 and (b8.nsplit, b8.merge, b8.dsmem) == (8, True, False)
-    assert not default_tiling(64, 64, 96, 128, 512).dsmem  # head dim 96: not a multiple of 64
+    assert not default_tiling(64, 64, 96, 128, 512).push  # head dim 96: not a multiple of 64
     b32 = default_tiling(32, 64, 512, 128, 512)
     assert (b32.nsplit, b32.merge) == (4, False)  # clusters of 4 did not fit one wave: merged after
     assert (default_tiling(20, 64, 512, 128, 512).nsplit, default_tiling(20, 64, 512, 128, 512).merge) == (
@@ -263,7 +326,7 @@ def test_default_tiling_covers_the_sms_once_and_declines_other_heads():
 @pytest.mark.parametrize("b", [8, 60])
 def test_auto_takes_tilelang_default_tiling(monkeypatch, b):
     """impl="auto" on the GPU: the default tiling (12 warps, split over the SMs: 8 splits merged after at
-    b 8, 2 merged through distributed shared memory at b 60) against the reference."""
+    b 8, 2 merged by pushing at b 60) against the reference."""
     from djax.kernels import sparse_attn_tilelang
 
     used = []
@@ -275,7 +338,7 @@ def test_auto_takes_tilelang_default_tiling(monkeypatch, b):
     out = jax.jit(lambda *a: sparse_decode(*a, scale=512**-0.5, impl="auto"))(*args)
     ref = sparse_decode_ref(*[a.astype(jnp.float32) if a.dtype == BF16 else a for a in args], 512**-0.5)
     tiling = sparse_attn_tilelang.default_tiling(b, 64, 512, 129, 300)
-    assert used == [tiling] and tiling.dsmem == (b == 60), used
+    assert used == [tiling] and tiling.push == (b == 60), used
     assert_close(out.astype(jnp.float32), ref, 1e-2)
 
 

@@ -1,0 +1,146 @@
+"""TileLang sparse decode tilings side by side, in alternating rounds, so that drift within a run shows.
+
+python benchmarks/ab_attn_tilings.py [--batches 64] [--variants dsmem,push] [--rounds 5] [--out DIR]
+(CUDA GPU, tilelang importable; `--build` lowers and compiles only, no GPU needed.)
+Per batch size, at `bench_kernels.py`'s shape (64 heads x 512, ring of 128, top 512 of 2,048 pool rows): "auto"
+(the default tiling) and every chosen variant of `VARIANTS`, each checked against the reference first (a wrong
+one is recorded and not timed), then `--rounds` rounds each timing every variant once (device time from a
+profiler trace, `bench_kernels.bench`, over input sets that rotate so repeats miss L2). Writes
+attn_tilings_ab.json under --out (rewritten after every round) and its PNG (per batch, each variant's rounds
+as dots on its bar of the median, as a fraction of the copy bandwidth measured in the same run).
+"""
+
+import argparse
+import functools
+import json
+import os
+import sys
+import time
+
+sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+import jax  # noqa: E402
+import jax.numpy as jnp  # noqa: E402
+import numpy as np  # noqa: E402
+
+from djax.kernels.sparse_attn import sparse_decode  # noqa: E402
+
+H, K, W, C, T = 64, 512, 128, 2048, 512
+SCALE = K**-0.5
+RTOL = 1e-2  # bf16 output against the f32 reference (the GPU tests' tolerance)
+WS = dict(impl="tilelang", block_s=64, num_stages=2, num_warps=12)
+VARIANTS = {  # name -> sparse_decode's tiling arguments (on top of WS)
+    "after": dict(nsplit=2),  # 2 splits merged by XLA after the kernel
+    "gmem": dict(nsplit=2, merge_splits=True),  # merged in the cluster through global memory
+    "dsmem": dict(nsplit=2, merge_splits="dsmem"),  # staged partials read through distributed shared memory
+    "push": dict(nsplit=2, merge_splits="push"),  # pushed from registers, no cluster barrier after the loop
+    "push_bf16": dict(nsplit=2, merge_splits="push_bf16"),  # the same, the values crossing as bf16
+    "split4": dict(nsplit=4),
+}
+
+
+def plot(result: dict, path: str) -> None:
+    """One panel per batch size: a bar per variant at the median of its rounds, a dot per round, as a fraction
+    of the measured copy bandwidth (red: the 70% target). Skipped where matplotlib is missing."""
+    try:
+        import matplotlib
+
+        matplotlib.use("Agg")
+        import matplotlib.pyplot as plt
+    except ImportError:
+        return
+    rows = [r for r in result["rows"] if r["rounds"]]
+    if not rows:
+        return
+    fig, axes = plt.subplots(len(rows), 1, figsize=(8, 1.2 + 1.4 * len(rows)), squeeze=False)
+    for ax, row in zip(axes[:, 0], rows, strict=True):
+        order = list(dict.fromkeys(n for rd in row["rounds"] for n in rd))
+
+        def ratio(us, nbytes=row["bytes"]):
+            return nbytes / (us * 1e-6) / result["measured_copy_bw"]
+
+        for i, name in enumerate(order):
+            times = [rd[name] for rd in row["rounds"] if name in rd]
+            median = float(np.median(times))
+            ax.barh(i, ratio(median), color="grey" if name == "auto" else "C0")
+            ax.plot([ratio(t) for t in times], [i] * len(times), "k.", markersize=3)
+            ax.text(ratio(min(times)), i, f"  {median:.2f} us", va="center", fontsize=7)
+        ax.set_yticks(range(len(order)), order, fontsize=7)
+        ax.invert_yaxis()
+        ax.axvline(0.7, color="C3", linewidth=0.8)
+        ax.set_title(f"b{row['b']}: fraction of the measured copy bandwidth", fontsize=8)
+    fig.suptitle(f"TileLang sparse decode tilings, {result['device']}, {result['date'][:10]}", fontsize=9)
+    fig.tight_layout(rect=(0, 0, 1, 0.95))
+    fig.savefig(path, dpi=110)
+    plt.close(fig)
+
+
+def main():
+    p = argparse.ArgumentParser()
+    p.add_argument("--batches", default="64")
+    p.add_argument("--variants", default="dsmem,push", help=f"comma list of {', '.join(VARIANTS)}")
+    p.add_argument("--rounds", type=int, default=5)
+    p.add_argument("--out", default=os.environ.get("OUT", "/tmp"))
+    p.add_argument("--build", action="store_true", help="lower and compile only")
+    args = p.parse_args()
+    batches = [int(b) for b in args.batches.split(",")]
+    chosen = {name: {**WS, **VARIANTS[name]} for name in args.variants.split(",")}
+    if args.build:
+        from djax.kernels.sparse_attn_tilelang import Tiling, cuda_kernel
+
+        for b in batches:
+            for name, kw in chosen.items():
+                merge = kw.get("merge_splits", False)
+                push = merge in ("push", "push_bf16")
+                tiling = Tiling(
+                    64, 2, 384, kw["nsplit"], bool(merge), merge == "dsmem", push, merge == "push_bf16"
+                )
+                cuda_kernel(b, H, K, W, C, T, SCALE, tiling)
+                print("built", name, b, flush=True)
+        return
+
+    from bench_kernels import attn_cost, attn_sets, bench, measure_ceilings
+
+    bw, _ = measure_ceilings()
+    res = dict(
+        device=jax.devices()[0].device_kind,
+        date=time.strftime("%Y-%m-%d %H:%M:%S"),
+        measured_copy_bw=bw,
+        shape=dict(h=H, k=K, W=W, C=C, T=T),
+        rows=[],
+    )
+    print(f"copy {bw / 1e12:.2f} TB/s", flush=True)
+    for b in batches:
+        sets = attn_sets(24, b, H, K, W, C, T)
+        nbytes = attn_cost(b, H, K, W, T)[1]
+        f32 = [a.astype(jnp.float32) if a.dtype == jnp.bfloat16 else a for a in sets[0]]
+        ref = np.asarray(jax.jit(functools.partial(sparse_decode, scale=SCALE, impl="ref"))(*f32))
+        fns = {"auto": functools.partial(sparse_decode, scale=SCALE)}
+        fns |= {name: functools.partial(sparse_decode, scale=SCALE, **kw) for name, kw in chosen.items()}
+        row = dict(
+            b=b, bytes=nbytes, variants={n: str(kw) for n, kw in chosen.items()}, rel_err={}, rounds=[]
+        )
+        res["rows"].append(row)
+        for name, fn in fns.items():
+            try:
+                out = np.asarray(jax.jit(fn)(*sets[0]).astype(jnp.float32))
+                err = float(np.linalg.norm(out - ref) / np.linalg.norm(ref))
+            except Exception as e:  # noqa: BLE001 - record it, time the others
+                err = f"failed: {e!r}"[:500]
+            row["rel_err"][name] = err
+            print(b, name, "rel_err", err, flush=True)
+        for r in range(args.rounds):
+            times = {}
+            for name, fn in fns.items():
+                if isinstance(row["rel_err"][name], float) and row["rel_err"][name] <= RTOL:
+                    wall, dev, _ = bench(fn, sets, trace=True)
+                    times[name] = round((dev or wall) * 1e6, 2)
+            row["rounds"].append(times)
+            of_copy = {n: round(nbytes / (us * 1e-6) / bw, 4) for n, us in times.items()}
+            print(b, "round", r, times, "of copy", of_copy, flush=True)
+            with open(os.path.join(args.out, "attn_tilings_ab.json"), "w") as f:
+                json.dump(res, f, indent=1)
+        plot(res, os.path.join(args.out, "attn_tilings_ab.png"))
+
+
+if __name__ == "__main__":
+    main()
