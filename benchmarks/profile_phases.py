@@ -112,19 +112,22 @@ def decode_source():
 
 
 def attention_source():
-    """The sparse decode default at b 64 (2 splits merged through distributed shared memory); (source, launch,
-    names)."""
+    """The sparse decode default at b 64 (2 splits, the merge pushed from registers); (source, launch, names).
+    The points inside `djax_push_merge` are not stamped (the shared array is the kernel's): each consumer
+    warpgroup's call of it ends its CTA's part of the merge (sending for one, storing for the other)."""
     from djax.kernels import sparse_attn_tilelang as S
 
     b, h, k, w, c, t = ATTN
     tiling = S.default_tiling(b, h, k, w, t)
+    if not tiling.push:
+        raise NotImplementedError(f"the points are placed for the pushed merge, not {tiling}")
     blocks = (-(-w // tiling.block_s) + -(-t // tiling.block_s)) // tiling.nsplit  # key blocks per split
     src, launch = S._lowered_on_disk(b, h, k, w, c, t, k**-0.5, tiling)
     names = (
         ["slot_table_done"]
         + [f"producer_issued_{g}" for g in range(blocks)]
         + [f"softmax_ready_{g}" for g in range(blocks)]
-        + ["softmax_loop_done", "softmax_cluster_barrier", "softmax_weights", "softmax_merged", "softmax_end"]
+        + ["softmax_loop_done", "softmax_merge_done", "other_loop_done", "other_merge_done"]
     )
     ready, done = 2 + blocks, 2 + 2 * blocks
     s = insert_after(src, "  __syncthreads();\n", stamp(1), nth=1)  # the second: after the slot table
@@ -133,11 +136,12 @@ def attention_source():
     s = insert_after(s, "        ready[(g_1 & 1)].wait(((g_1 >> 1) & 1));\n",
                      f"if (threadIdx.x == 0) djax_t[{ready} + g_1] = clock64();")  # fmt: skip
     s = insert_after(s, "      l_ready[0].arrive();\n", stamp(done))
-    s = insert_after(s, "      tl::cluster_arrive();\n      tl::cluster_wait();\n", stamp(done + 1))
-    s = insert_after(s, "      w_ready[0].wait(0);\n", stamp(done + 2))
-    s = re.sub(r"(      djax_dsmem_merge<[^\n]*\n)", rf"\1      if (threadIdx.x == 0) djax_t[{done + 3}] = clock64();\n", s, count=1)  # fmt: skip
-    # the softmax group's last barrier (its first one, above, follows the staging)
-    s = insert_after(s, "      tl::cluster_arrive();\n      tl::cluster_wait();\n", stamp(done + 4), nth=1)
+    calls = re.findall(r"      djax_push_merge<[^\n]*\n", s)
+    if len(calls) != 2:  # one call per consumer warpgroup, the softmax one's first
+        raise NotImplementedError("unexpected calls of the pushed merge in the lowered source")
+    s = s.replace(calls[0], calls[0] + "      " + stamp(done + 1) + "\n", 1)
+    s = insert_after(s, "      l_ready[0].wait(0);\n", stamp(done + 2, thread=128))
+    s = s.replace(calls[1], calls[1] + "      " + stamp(done + 3, thread=128) + "\n", 1)
     return with_timestamps(s, "attention", len(names)), launch, names
 
 
