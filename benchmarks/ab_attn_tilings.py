@@ -39,39 +39,19 @@ VARIANTS = {  # name -> sparse_decode's tiling arguments (on top of WS)
 
 
 def plot(result: dict, path: str) -> None:
-    """One panel per batch size: a bar per variant at the median of its rounds, a dot per round, as a fraction
-    of the measured copy bandwidth (red: the 70% target). Skipped where matplotlib is missing."""
-    try:
-        import matplotlib
+    """Per batch size, each variant's rounds as a fraction of the run's copy bandwidth (red: the 70% target)."""
+    from ab_plot import plot_rounds
 
-        matplotlib.use("Agg")
-        import matplotlib.pyplot as plt
-    except ImportError:
-        return
-    rows = [r for r in result["rows"] if r["rounds"]]
-    if not rows:
-        return
-    fig, axes = plt.subplots(len(rows), 1, figsize=(8, 1.2 + 1.4 * len(rows)), squeeze=False)
-    for ax, row in zip(axes[:, 0], rows, strict=True):
-        order = list(dict.fromkeys(n for rd in row["rounds"] for n in rd))
-
-        def ratio(us, nbytes=row["bytes"]):
-            return nbytes / (us * 1e-6) / result["measured_copy_bw"]
-
-        for i, name in enumerate(order):
-            times = [rd[name] for rd in row["rounds"] if name in rd]
-            median = float(np.median(times))
-            ax.barh(i, ratio(median), color="grey" if name == "auto" else "C0")
-            ax.plot([ratio(t) for t in times], [i] * len(times), "k.", markersize=3)
-            ax.text(ratio(min(times)), i, f"  {median:.2f} us", va="center", fontsize=7)
-        ax.set_yticks(range(len(order)), order, fontsize=7)
-        ax.invert_yaxis()
-        ax.axvline(0.7, color="C3", linewidth=0.8)
-        ax.set_title(f"b{row['b']}: fraction of the measured copy bandwidth", fontsize=8)
-    fig.suptitle(f"TileLang sparse decode tilings, {result['device']}, {result['date'][:10]}", fontsize=9)
-    fig.tight_layout(rect=(0, 0, 1, 0.95))
-    fig.savefig(path, dpi=110)
-    plt.close(fig)
+    panels = [
+        (
+            f"b{row['b']}: fraction of the measured copy bandwidth (red: 70%)",
+            lambda us, nbytes=row["bytes"]: nbytes / (us * 1e-6) / result["measured_copy_bw"],
+            row["rounds"],
+        )
+        for row in result["rows"]
+    ]
+    suptitle = f"TileLang sparse decode tilings, {result['device']}, {result['date'][:10]}"
+    plot_rounds(panels, "auto", 0.7, suptitle, path)
 
 
 def main():
@@ -85,14 +65,14 @@ def main():
     batches = [int(b) for b in args.batches.split(",")]
     chosen = {name: {**WS, **VARIANTS[name]} for name in args.variants.split(",")}
     if args.build:
-        from djax.kernels.sparse_attn_tilelang import Tiling, cuda_kernel
+        from djax.kernels.sparse_attn import tilelang_tiling
+        from djax.kernels.sparse_attn_tilelang import cuda_kernel
 
         for b in batches:
             for name, kw in chosen.items():
                 merge = kw.get("merge_splits", False)
-                push = merge in ("push", "push_bf16")
-                tiling = Tiling(
-                    64, 2, 384, kw["nsplit"], bool(merge), merge == "dsmem", push, merge == "push_bf16"
+                tiling = tilelang_tiling(
+                    kw["block_s"], kw["num_stages"], kw["num_warps"], kw["nsplit"], merge
                 )
                 cuda_kernel(b, H, K, W, C, T, SCALE, tiling)
                 print("built", name, b, flush=True)

@@ -40,47 +40,20 @@ def tilings(m, n, k, only):
 
 
 def plot(result: dict, path: str) -> None:
-    """One panel per shape: per variant a bar at the median of its rounds and a dot per round, as a fraction
-    of the FP8 peak (the axis starts near the slowest), the median's microseconds beside it. Skipped where
-    matplotlib is missing."""
-    try:
-        import matplotlib
-
-        matplotlib.use("Agg")
-        import matplotlib.pyplot as plt
-    except ImportError:
-        return
+    """Per shape, each variant's rounds as a fraction of the FP8 peak (red: the 60% target)."""
+    from ab_plot import plot_rounds
     from bench_tilelang import FP8_PEAK
 
-    rows = [r for r in result["rows"] if r["rounds"]]
-    if not rows:
-        return
-    names = [list(dict.fromkeys(n for rd in r["rounds"] for n in rd)) for r in rows]
-    fig, axes = plt.subplots(
-        len(rows), 1, figsize=(8, 0.3 * sum(map(len, names)) + 1.1 * len(rows)), squeeze=False
-    )
-    for ax, row, order in zip(axes[:, 0], rows, names, strict=True):
-        flops = 2 * row["m"] * row["n"] * row["k"]
-
-        def ratio(us, flops=flops):
-            return flops / (us * 1e-6) / FP8_PEAK
-
-        for i, name in enumerate(order):
-            times = [rd[name] for rd in row["rounds"] if name in rd]
-            median = float(np.median(times))
-            ax.barh(i, ratio(median), color="grey" if name == "ws_default" else "C0")
-            ax.plot([ratio(t) for t in times], [i] * len(times), "k.", markersize=3)
-            ax.text(ratio(min(times)), i, f"  {median:.1f} us", va="center", fontsize=6)  # right of the dots
-        ax.set_yticks(range(len(order)), order, fontsize=6)
-        ax.invert_yaxis()
-        ax.axvline(0.6, color="C3", linewidth=0.8)  # the target
-        lows = [ratio(max(rd.values())) for rd in row["rounds"]]
-        ax.set_xlim(left=max(0.0, np.floor(min(lows) * 0.9 / 0.05) * 0.05))  # the differences are a few %
-        ax.set_title(f"m{row['m']} n{row['n']} k{row['k']}: fraction of the FP8 peak (red: 60%)", fontsize=8)
-    fig.suptitle(f"TileLang FP8 tilings side by side, {result['device']}, {result['date'][:10]}", fontsize=9)
-    fig.tight_layout(rect=(0, 0, 1, 0.97))
-    fig.savefig(path, dpi=110)
-    plt.close(fig)
+    panels = [
+        (
+            f"m{row['m']} n{row['n']} k{row['k']}: fraction of the FP8 peak (red: 60%)",
+            lambda us, flops=2 * row["m"] * row["n"] * row["k"]: flops / (us * 1e-6) / FP8_PEAK,
+            row["rounds"],
+        )
+        for row in result["rows"]
+    ]
+    suptitle = f"TileLang FP8 tilings side by side, {result['device']}, {result['date'][:10]}"
+    plot_rounds(panels, "ws_default", 0.6, suptitle, path)
 
 
 def main():

@@ -27,7 +27,7 @@ the lowered source (`with_cluster_sum`), as for the sparse decode's merge: TileL
 a peer's shared memory.
 """
 
-from djax.kernels.tilelang_build import with_cluster, with_device_code
+from djax.kernels.tilelang_build import PEER_ADDRESS, with_cluster, with_device_code
 
 _CLUSTER_SUM = r"""
 template <int SPLIT, int BN, int THREADS>
@@ -82,12 +82,6 @@ _PUSH_SUM = r"""
 template <int SPLIT, int KG, int BN>
 __device__ __forceinline__ int djax_push_slot(int sender, int owner, int g) {
   return ((sender < owner ? sender : sender - 1) * KG + g) * (64 / SPLIT) * BN;
-}
-
-__device__ __forceinline__ uint32_t djax_peer(uint32_t local, int peer) {  // that address in a peer's memory
-  uint32_t remote;
-  asm volatile("mapa.shared::cluster.u32 %0, %1, %2;" : "=r"(remote) : "r"(local), "r"(peer));
-  return remote;
 }
 
 template <int SPLIT>
@@ -479,5 +473,5 @@ def decode_program(m: int, n: int, k: int, tiling):
 def with_cluster_sum(source: str, name: str, split: int, push: bool = False) -> str:
     """The lowered source with the cluster shape (1, 1, split) declared on the kernel and the cluster sum's
     device code (`djax_cluster_sum`, or with `push` `djax_push_sum`) ahead of it."""
-    code = _PUSH_SUM + _PUSH_REGS if push else _CLUSTER_SUM
+    code = PEER_ADDRESS + _PUSH_SUM + _PUSH_REGS if push else _CLUSTER_SUM
     return with_device_code(with_cluster(source, name, (1, 1, split)), code)

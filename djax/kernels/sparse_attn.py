@@ -9,7 +9,14 @@ from djax.kernels import shapes
 from djax.kernels.dispatch import has_tilelang, on_cuda, resolve
 from djax.kernels.sparse_attn_ref import combine_splits, sparse_decode_ref
 
-MERGES = (False, True, "dsmem", "push", "push_bf16")  # merge_splits' values
+# merge_splits' values, each with the TileLang tiling's merge fields it stands for (merge, dsmem, push, push_bf16)
+MERGES = {
+    False: (False, False, False, False),
+    True: (True, False, False, False),
+    "dsmem": (True, True, False, False),
+    "push": (True, False, True, False),
+    "push_bf16": (True, False, True, True),
+}
 
 
 def sparse_decode(
@@ -57,25 +64,31 @@ def sparse_decode(
         if tiling is not None:
             impl, block_s, num_stages, nsplit = "tilelang", tiling.block_s, tiling.stages, tiling.nsplit
             num_warps = tiling.threads // 32
-            push = "push_bf16" if tiling.push_bf16 else "push"
-            merge_splits = push if tiling.push else "dsmem" if tiling.dsmem else tiling.merge
-    if merge_splits not in MERGES:
-        raise ValueError(f"merge_splits must be one of {MERGES}, got {merge_splits!r}")
+            fields = (tiling.merge, tiling.dsmem, tiling.push, tiling.push_bf16)
+            merge_splits = next(m for m, f in MERGES.items() if f == fields)
+    if not isinstance(merge_splits, bool | str) or merge_splits not in MERGES:
+        raise ValueError(f"merge_splits must be one of {tuple(MERGES)}, got {merge_splits!r}")
     impl = resolve(impl, ("ref", "triton", "tilelang"))
     if merge_splits and impl == "triton":
         raise ValueError("merge_splits is a TileLang option: the Triton kernel merges its splits after")
     if impl == "ref":
         return sparse_decode_ref(q, window, window_valid, pool, topk, sinks, scale)
     if impl == "tilelang":
-        from djax.kernels.sparse_attn_tilelang import Tiling, sparse_decode_tilelang
+        from djax.kernels.sparse_attn_tilelang import sparse_decode_tilelang
 
-        merge, dsmem, push = bool(merge_splits), merge_splits == "dsmem", str(merge_splits).startswith("push")
-        bf16 = merge_splits == "push_bf16"
-        tiling = Tiling(block_s, max(num_stages, 2), 32 * num_warps, nsplit, merge, dsmem, push, bf16)
+        tiling = tilelang_tiling(block_s, num_stages, num_warps, nsplit, merge_splits)
         return sparse_decode_tilelang(q, window, window_valid, pool, topk, sinks, scale, tiling)
     return _triton(
         q, window, window_valid, pool, topk, sinks, scale, block_h, block_s, num_warps, num_stages, nsplit
     )
+
+
+def tilelang_tiling(block_s: int, num_stages: int, num_warps: int, nsplit: int, merge_splits: bool | str):
+    """The TileLang kernel's `Tiling` for `sparse_decode`'s arguments (stages below 2 read as 2)."""
+    from djax.kernels.sparse_attn_tilelang import Tiling
+
+    merge, dsmem, push, push_bf16 = MERGES[merge_splits]
+    return Tiling(block_s, max(num_stages, 2), 32 * num_warps, nsplit, merge, dsmem, push, push_bf16)
 
 
 def _triton(

@@ -34,6 +34,7 @@ from djax.kernels.dispatch import H200_SMS
 from djax.kernels.sparse_attn_ref import combine_splits
 from djax.kernels.tilelang_build import (
     ARCH,
+    PEER_ADDRESS,
     POINTER_ONLY,
     lower,
     lowered_on_disk,
@@ -802,7 +803,7 @@ def lower_cuda(
     if tiling.dsmem:
         source = with_device_code(source, _DSMEM_MERGE)
     if tiling.push:
-        source = with_device_code(source, _PUSH_MERGE)
+        source = with_device_code(source, PEER_ADDRESS + _PUSH_MERGE)
     return source, launch
 
 
@@ -881,13 +882,6 @@ __device__ __forceinline__ void djax_dsmem_merge(const bfloat16_t* out_ro, int o
 # of this split's bytes (so the CTA stays until then). The store combines the two splits' unnormalised
 # values: (acc e^{m - M} + acc' e^{m' - M}) / (l e^{m - M} + l' e^{m' - M}), M = max(m, m'), in base 2.
 _PUSH_MERGE = r"""
-__device__ __forceinline__ uint32_t djax_attn_peer(const void* local, int peer) {  // that address in the peer
-  uint32_t remote;
-  asm volatile("mapa.shared::cluster.u32 %0, %1, %2;"
-               : "=r"(remote) : "r"((uint32_t)__cvta_generic_to_shared(local)), "r"(peer));
-  return remote;
-}
-
 __device__ __forceinline__ uint32_t djax_bf16x2(float a, float b) {
   bfloat16_t h[2] = {bfloat16_t(a), bfloat16_t(b)};
   return *reinterpret_cast<const uint32_t*>(h);
@@ -914,30 +908,30 @@ __device__ __forceinline__ void djax_push_merge(const bfloat16_t* out_ro, int ou
     asm volatile("bar.sync 12, 128;" ::: "memory");
     if (tid == 0) {
       asm volatile("mbarrier.arrive.release.cluster.shared::cluster.b64 _, [%0];"
-                   ::"r"(djax_attn_peer(&may_send, peer)) : "memory");
+                   ::"r"(djax_peer(&may_send, peer)) : "memory");
     }
     if (lane % 4 == 0) {
       asm volatile(
           "st.async.shared::cluster.mbarrier::complete_tx::bytes.v4.f32 [%0], {%1, %2, %3, %4}, [%5];"
-          ::"r"(djax_attn_peer(ml_peer + 4 * (8 * w + lane / 4), peer)), "f"(m[0]), "f"(m[1]), "f"(l[0]),
-          "f"(l[1]), "r"(djax_attn_peer(&recv_bar, peer)) : "memory");
+          ::"r"(djax_peer(ml_peer + 4 * (8 * w + lane / 4), peer)), "f"(m[0]), "f"(m[1]), "f"(l[0]),
+          "f"(l[1]), "r"(djax_peer(&recv_bar, peer)) : "memory");
     }
   }
   if (G != rank) {  // the peer stores these columns
     may_send.wait(0);
-    const uint32_t bar = djax_attn_peer(&recv_bar, peer);
+    const uint32_t bar = djax_peer(&recv_bar, peer);
 #pragma unroll
     for (int q = 0; q < NQ; q += BF16 ? 2 : 1) {
       if (BF16) {
         const float* a = acc + 4 * q;
         asm volatile(
             "st.async.shared::cluster.mbarrier::complete_tx::bytes.v4.b32 [%0], {%1, %2, %3, %4}, [%5];"
-            ::"r"(djax_attn_peer(slot(q), peer)), "r"(djax_bf16x2(a[0], a[1])), "r"(djax_bf16x2(a[2], a[3])),
+            ::"r"(djax_peer(slot(q), peer)), "r"(djax_bf16x2(a[0], a[1])), "r"(djax_bf16x2(a[2], a[3])),
             "r"(djax_bf16x2(a[4], a[5])), "r"(djax_bf16x2(a[6], a[7])), "r"(bar) : "memory");
       } else {
         asm volatile(
             "st.async.shared::cluster.mbarrier::complete_tx::bytes.v4.f32 [%0], {%1, %2, %3, %4}, [%5];"
-            ::"r"(djax_attn_peer(slot(q), peer)), "f"(acc[4 * q]), "f"(acc[4 * q + 1]), "f"(acc[4 * q + 2]),
+            ::"r"(djax_peer(slot(q), peer)), "f"(acc[4 * q]), "f"(acc[4 * q + 1]), "f"(acc[4 * q + 2]),
             "f"(acc[4 * q + 3]), "r"(bar) : "memory");
       }
     }
@@ -951,7 +945,7 @@ __device__ __forceinline__ void djax_push_merge(const bfloat16_t* out_ro, int ou
   recv_bar.wait(0);
   if (tid == 0) {
     asm volatile("mbarrier.arrive.relaxed.cluster.shared::cluster.b64 _, [%0];"
-                 ::"r"(djax_attn_peer(&done_bar, peer)) : "memory");
+                 ::"r"(djax_peer(&done_bar, peer)) : "memory");
   }
   const float4 pm = reinterpret_cast<const float4*>(ml_peer)[8 * w + lane / 4];
   uint32_t crank;
@@ -1029,8 +1023,8 @@ def default_tiling(b: int, h: int, k: int, w: int, t: int) -> Tiling | None:
     distributed shared memory, six alternating rounds, attn_tilings_h200_push_ab.json; that was 23.8 us
     against 28.2 through global memory and 30.1 merged after) and, where more than 8 splits would be
     taken, 8 merged through global memory (b8: 13.3-13.4 us against 14.0-14.6 for 10 merged after, three
-    runs; 14.7 through distributed shared memory). Clusters of 4 did not fit (b32, 4 splits merged 33.2-34.2 us against 21.1-21.5 merged
-    after), so 3 to 8 splits merge after. Where the warp-specialised program does not apply, the 8-warp
+    runs; 14.7 through distributed shared memory). Clusters of 4 did not fit (b32, 4 splits merged
+    33.2-34.2 us against 21.1-21.5 merged after), so 3 to 8 splits merge after. Where the warp-specialised program does not apply, the 8-warp
     one with the same splits, merged after.
     """
     nb = sum(_blocks(w, t, 64))

@@ -151,6 +151,22 @@ def with_cluster(source: str, name: str, dims: tuple[int, int, int]) -> str:
     return source[:at] + " __cluster_dims__({}, {}, {})".format(*dims) + source[at:]
 
 
+# A shared-memory address of this CTA as the same address in a peer CTA of its cluster (for st.async, remote
+# mbarrier arrives and ld.shared::cluster), from a 32-bit shared address or from a generic pointer into shared
+# memory; device code that pushes to or reads from peers puts this ahead of its own.
+PEER_ADDRESS = r"""
+__device__ __forceinline__ uint32_t djax_peer(uint32_t local, int peer) {  // that address in a peer's memory
+  uint32_t remote;
+  asm volatile("mapa.shared::cluster.u32 %0, %1, %2;" : "=r"(remote) : "r"(local), "r"(peer));
+  return remote;
+}
+
+__device__ __forceinline__ uint32_t djax_peer(const void* local, int peer) {
+  return djax_peer((uint32_t)__cvta_generic_to_shared(local), peer);
+}
+"""
+
+
 def with_device_code(source: str, code: str) -> str:
     """The lowered source with `code` (CUDA device functions the program calls through `T.call_extern`) put
     ahead of the first kernel declaration, after TileLang's includes."""
