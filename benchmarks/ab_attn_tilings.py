@@ -35,6 +35,9 @@ VARIANTS = {  # name -> sparse_decode's tiling arguments (on top of WS)
     "push": dict(nsplit=2, merge_splits="push"),  # pushed from registers, no cluster barrier after the loop
     "push_bf16": dict(nsplit=2, merge_splits="push_bf16"),  # the same, the values crossing as bf16
     "split4": dict(nsplit=4),
+    "push_tmaq": dict(nsplit=2, merge_splits="push", tma_q=True),  # push, q loaded by TMA
+    "gmem8": dict(nsplit=8, merge_splits=True),  # the b8 default: 8 splits merged through global memory
+    "gmem8_tmaq": dict(nsplit=8, merge_splits=True, tma_q=True),
 }
 
 
@@ -72,7 +75,12 @@ def main():
             for name, kw in chosen.items():
                 merge = kw.get("merge_splits", False)
                 tiling = tilelang_tiling(
-                    kw["block_s"], kw["num_stages"], kw["num_warps"], kw["nsplit"], merge
+                    kw["block_s"],
+                    kw["num_stages"],
+                    kw["num_warps"],
+                    kw["nsplit"],
+                    merge,
+                    kw.get("tma_q", False),
                 )
                 cuda_kernel(b, H, K, W, C, T, SCALE, tiling)
                 print("built", name, b, flush=True)

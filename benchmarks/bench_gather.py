@@ -14,7 +14,11 @@ a consumer warpgroup reading each block once and freeing its stage. Ways of load
 - `bulk`: one bulk copy of 1 KB per row (cp.async.bulk), linear rows, 2 or 3 stages: wgmma cannot read that
   layout, so a kernel would still have to rearrange it in shared memory;
 - `bulk_relaid`: that rearrangement: blocks of 32 rows by bulk copy into a linear ring of two 32 KB stages,
-  which the producer threads copy, 16 bytes at a time, into the swizzled layout of a second such ring.
+  which the producer threads copy, 16 bytes at a time, into the swizzled layout of a second such ring;
+- `mixed_N`: the first N rows of each block by TMA boxes, the others by cp.async, both into the swizzled
+  layout and completing on one barrier: whether the two paths' limits add up;
+- `cp_async_l2_128`, `_l2_256`, `cp_async_ca`: the kernel's cp.async with an L2 prefetch-size hint (the whole
+  128- or 256-byte span fetched on a miss) or through L1 (.ca) instead of L2 only (.cg).
 CTA 0's last block is compared with the layout expected from the pool. Time: the first CTA's start to the
 last CTA's end (%globaltimer), median of 25 launches over alternating pools and index sets; bytes are the
 rows gathered. Writes gather.json (and gather.png) under --out.
@@ -40,6 +44,12 @@ VARIANTS = {  # kernel name: (mode, stages); mode 0 cp.async, 1 one TMA box per 
     "bulk": (2, 2),
     "bulk_3_stages": (2, 3),
     "bulk_relaid": (3, 2),  # bulk copies into a linear ring, rearranged by the producer into a swizzled one
+    "mixed_16": (4, 2),  # mode 4: TMA boxes for the block's first N rows, cp.async for the rest
+    "mixed_24": (4, 2),
+    "mixed_32": (4, 2),
+    "cp_async_l2_128": (0, 2),  # the same cp.async with .L2::128B (the kernel template argument HINT)
+    "cp_async_l2_256": (0, 2),
+    "cp_async_ca": (0, 2),
 }
 
 SOURCE = r"""
@@ -71,7 +81,16 @@ __device__ __forceinline__ void bar_expect(uint64_t* b, int bytes) {
 // Threads 128-255 load, 0-127 read each block (a checksum) and free its stage. Stage layout for modes 0 and 1:
 // 8 chunks of 64 columns, each 64 rows x 128 bytes, 16-byte units XOR-swizzled by (row & 7); mode 2: 64 rows of
 // 1 KB.
-template <int MODE, int STAGES>
+// a 16-byte cp.async of mode 0: HINT 0 .cg, 1 .cg with .L2::128B, 2 .cg with .L2::256B, 3 .ca
+template <int HINT>
+__device__ __forceinline__ void copy16(uint32_t dst, const void* src) {
+  if (HINT == 1) asm volatile("cp.async.cg.shared.global.L2::128B [%0], [%1], 16;" ::"r"(dst), "l"(src) : "memory");
+  else if (HINT == 2) asm volatile("cp.async.cg.shared.global.L2::256B [%0], [%1], 16;" ::"r"(dst), "l"(src) : "memory");
+  else if (HINT == 3) asm volatile("cp.async.ca.shared.global [%0], [%1], 16;" ::"r"(dst), "l"(src) : "memory");
+  else asm volatile("cp.async.cg.shared.global [%0], [%1], 16;" ::"r"(dst), "l"(src) : "memory");
+}
+
+template <int MODE, int STAGES, int TMA_ROWS = 0, int HINT = 0>
 __device__ __forceinline__ void gather(const CUtensorMap* desc, const uint16_t* pool, const int* idx, unsigned* sums,
                                        long long* times, uint16_t* dump) {
   extern __shared__ __align__(1024) unsigned char buf[];
@@ -80,11 +99,11 @@ __device__ __forceinline__ void gather(const CUtensorMap* desc, const uint16_t* 
   if (tid == 0) {
     times[2 * bid] = gtime();
     for (int s = 0; s < STAGES; ++s) {
-      bar_init(&full[s], MODE ? 1 : 128);
+      bar_init(&full[s], MODE == 0 || MODE == 4 ? 128 : 1);
       bar_init(&empty[s], 128);
     }
     asm volatile("fence.mbarrier_init.release.cluster;" ::: "memory");
-    if (MODE == 1) asm volatile("prefetch.tensormap [%0];" ::"l"(desc) : "memory");
+    if (MODE == 1 || MODE == 4) asm volatile("prefetch.tensormap [%0];" ::"l"(desc) : "memory");
   }
   __syncthreads();
   const int* rows = idx + bid * BLOCKS * 64;
@@ -111,13 +130,34 @@ __device__ __forceinline__ void gather(const CUtensorMap* desc, const uint16_t* 
               ::"r"(base + c * 8192 + r * 128), "l"(desc), "r"(c * 64), "r"(rows[g * 64 + r]), "r"(smem(&full[st]))
               : "memory");
         }
+      } else if (MODE == 4) {
+        // the expected bytes before this thread's own arrive below, which the phase waits for
+        if (p == 0)
+          asm volatile("mbarrier.expect_tx.relaxed.cta.shared::cta.b64 [%0], %1;"
+                       ::"r"(smem(&full[st])), "r"(TMA_ROWS * 1024) : "memory");
+#pragma unroll
+        for (int q = 0; q < (TMA_ROWS * 8 + 127) / 128; ++q) {
+          int i = q * 128 + p, r = i / 8, c = i % 8;
+          if (i < TMA_ROWS * 8)
+            asm volatile(
+              "cp.async.bulk.tensor.2d.shared::cluster.global.tile.mbarrier::complete_tx::bytes [%0], [%1, {%2, %3}], [%4];"
+              ::"r"(base + c * 8192 + r * 128), "l"(desc), "r"(c * 64), "r"(rows[g * 64 + r]), "r"(smem(&full[st]))
+              : "memory");
+        }
+#pragma unroll 8
+        for (int q = 0; q < (64 - TMA_ROWS) / 2; ++q) {
+          int i = q * 128 + p, r = TMA_ROWS + i / 64, u = i % 64, c = u / 8, j = u % 8;
+          uint32_t dst = base + c * 8192 + r * 128 + ((j ^ (r & 7)) * 16);
+          asm volatile("cp.async.cg.shared.global [%0], [%1], 16;"
+                       ::"r"(dst), "l"(pool + (size_t)rows[g * 64 + r] * 512 + u * 8) : "memory");
+        }
+        asm volatile("cp.async.mbarrier.arrive.noinc.shared.b64 [%0];" ::"r"(smem(&full[st])) : "memory");
       } else {
 #pragma unroll 8
         for (int q = 0; q < 32; ++q) {
           int i = q * 128 + p, r = i / 64, u = i % 64, c = u / 8, j = u % 8;
           uint32_t dst = base + c * 8192 + r * 128 + ((j ^ (r & 7)) * 16);
-          asm volatile("cp.async.cg.shared.global [%0], [%1], 16;"
-                       ::"r"(dst), "l"(pool + (size_t)rows[g * 64 + r] * 512 + u * 8) : "memory");
+          copy16<HINT>(dst, pool + (size_t)rows[g * 64 + r] * 512 + u * 8);
         }
         asm volatile("cp.async.mbarrier.arrive.noinc.shared.b64 [%0];" ::"r"(smem(&full[st])) : "memory");
       }
@@ -224,16 +264,22 @@ extern "C" __global__ void __launch_bounds__(256, 1) bulk_relaid(const CUtensorM
   gather_relaid(pool, idx, sums, times, dump);
 }
 
-#define GATHER(name, mode, stages)                                                                          \
+#define GATHER(name, mode, stages, rows, hint)                                                              \
   extern "C" __global__ void __launch_bounds__(256, 1) name(const CUtensorMap __grid_constant__ desc,      \
       const uint16_t* pool, const int* idx, unsigned* sums, long long* times, uint16_t* dump) {            \
-    gather<mode, stages>(&desc, pool, idx, sums, times, dump);                                              \
+    gather<mode, stages, rows, hint>(&desc, pool, idx, sums, times, dump);                                  \
   }
-GATHER(cp_async, 0, 2)
-GATHER(cp_async_3_stages, 0, 3)
-GATHER(tma_box, 1, 2)
-GATHER(bulk, 2, 2)
-GATHER(bulk_3_stages, 2, 3)
+GATHER(cp_async, 0, 2, 0, 0)
+GATHER(cp_async_3_stages, 0, 3, 0, 0)
+GATHER(tma_box, 1, 2, 0, 0)
+GATHER(bulk, 2, 2, 0, 0)
+GATHER(bulk_3_stages, 2, 3, 0, 0)
+GATHER(mixed_16, 4, 2, 16, 0)
+GATHER(mixed_24, 4, 2, 24, 0)
+GATHER(mixed_32, 4, 2, 32, 0)
+GATHER(cp_async_l2_128, 0, 2, 0, 1)
+GATHER(cp_async_l2_256, 0, 2, 0, 2)
+GATHER(cp_async_ca, 0, 2, 0, 3)
 """
 
 

@@ -92,7 +92,7 @@ def decode_source():
     s = insert_after(src, "  tl::fence_barrier_init();\n  __syncthreads();\n", stamp(1))
     ring = t.stages - 1
     s = re.sub(
-        rf"(tl::tma_load\(B_desc, full\[\(j & {ring}\)\][^\n]*\n)",
+        rf"(tl::tma_load(?:<[^>]*>)?\(B_desc, full\[\(j & {ring}\)\][^\n]*\n)",  # with or without a cache hint
         rf"\1        if (j == 0) djax_t[2] = clock64(); if (j == {kps - 1}) djax_t[3] = clock64();\n",
         s,
     )

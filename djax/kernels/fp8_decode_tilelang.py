@@ -303,6 +303,7 @@ def decode_program(m: int, n: int, k: int, tiling):
     push = tiling.push_sum
     rows = 64 // split  # rows of the tile each split stores
     a_rows = min(64, m)  # rows in A's TMA box: only those A has (see WsTiling)
+    keep, drop = ("evict_last", "evict_first") if tiling.cache_hints else (None, None)
 
     @T.macro
     def produce(A, B, a_s, b_s, full, empty, bx, bz):
@@ -310,8 +311,15 @@ def decode_program(m: int, n: int, k: int, tiling):
             st = j % ns
             T.barrier_wait(empty[st], ((j // ns) & 1) ^ 1)
             k0 = (bz * kps + j) * BLOCK
-            T.tma_copy(A[0:a_rows, k0 : k0 + BLOCK], a_s[st, 0:a_rows, :], barrier=full[st])
-            T.tma_copy(B[bx * bn : bx * bn + bn, k0 : k0 + BLOCK], b_s[st, :, :], barrier=full[st])
+            T.tma_copy(
+                A[0:a_rows, k0 : k0 + BLOCK], a_s[st, 0:a_rows, :], barrier=full[st], eviction_policy=keep
+            )
+            T.tma_copy(
+                B[bx * bn : bx * bn + bn, k0 : k0 + BLOCK],
+                b_s[st, :, :],
+                barrier=full[st],
+                eviction_policy=drop,
+            )
             T.barrier_arrive(full[st])
 
     @T.macro

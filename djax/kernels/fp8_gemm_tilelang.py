@@ -109,6 +109,9 @@ class WsTiling:
     (st.async into its shared memory), and the owner's warpgroups each add up a share of its columns: no
     staging of the whole tile, no proxy fence, no bulk copy (`djax_push_regs`).
 
+    `cache_hints` (k_groups > 1): A's TMA loads ask L2 to keep A (every column tile reads it: evict_last)
+    and the weights' to let them go first (each byte read once: evict_first).
+
     With m under block_m (decode), A's TMA box (and with smem_scales its scales') spans A's m rows, not
     block_m: a box reaching past the end of A is filled slowly (at m 8, n 4096, k 7168 the decode GEMM took
     14.3-14.6 us with 64-row boxes and 9.9-10.1 with 8 on the H200). The shared rows past m are never written
@@ -126,6 +129,7 @@ class WsTiling:
     early_store: bool = False
     push_sum: bool = False
     push_regs: bool = False
+    cache_hints: bool = False
 
     @property
     def consumer_wgs(self) -> int:
@@ -163,6 +167,7 @@ class WsTiling:
         tail += "_es" if self.early_store else ""
         tail += "_ps" if self.push_sum else ""
         tail += "_pr" if self.push_regs else ""
+        tail += "_ch" if self.cache_hints else ""
         return f"ws{self.block_m}x{self.block_n}s{self.stages}{tail}"
 
 
@@ -186,21 +191,36 @@ MEASURED_WS_BEST = {
     # 11.27-11.38 us against 11.46-11.60 pulled (tilelang_fp8_gemm_h200_decode_push3_ab.json; with the early
     # arrive, a tie, _push_early_ab.json), which was 11.99 us against 12.82 for the split summed by XLA after
     # and pushed straight from the registers (st.async): 10.66-10.93 us against 11.08-11.29 by bulk copy, four
-    # alternating rounds (tilelang_fp8_gemm_h200_decode_push_regs_ab.json)
-    ("decode", 4096, 7168): WsTiling(64, 64, 8, split_k=2, k_groups=2, push_sum=True, push_regs=True),
+    # alternating rounds (tilelang_fp8_gemm_h200_decode_push_regs_ab.json); with L2 asked to keep A and to let
+    # the weights go first, 10.52-10.66 us against 10.78-10.98, and at m 8 9.80-9.96 against 10.05-10.24 (one
+    # round of five 10.45), five rounds (tilelang_fp8_gemm_h200_decode_cache_hints_ab.json)
+    ("decode", 4096, 7168): WsTiling(
+        64, 64, 8, split_k=2, k_groups=2, push_sum=True, push_regs=True, cache_hints=True
+    ),
     # the same: 8.03-8.12 us against 8.86-8.94 for 64x64 split 2 summed by XLA and 8.17-8.46 pulled; with the
-    # early arrive 7.99-8.19 against 8.10-8.27; from the registers 7.53-7.72 against 7.98-8.07
-    ("decode", 4096, 4096): WsTiling(64, 64, 8, split_k=2, k_groups=2, push_sum=True, push_regs=True),
+    # early arrive 7.99-8.19 against 8.10-8.27; from the registers 7.53-7.72 against 7.98-8.07; with the cache
+    # hints 7.40-7.59 against 7.61-7.73 (the same five rounds)
+    ("decode", 4096, 4096): WsTiling(
+        64, 64, 8, split_k=2, k_groups=2, push_sum=True, push_regs=True, cache_hints=True
+    ),
     # the register push, side by side with 64x128 and scales in shared memory (13.9 us in that first run), five
     # rounds (tilelang_fp8_gemm_h200_decode_n7168_ab.json): at m 64 13.23-13.58 us against 13.82-14.07, at m 8
-    # 12.20-12.38 against 13.78-14.04, at m 1 12.03-12.23 against 13.77-13.87
-    ("decode", 7168, 4096): WsTiling(64, 64, 8, split_k=2, k_groups=2, push_sum=True, push_regs=True),
+    # 12.20-12.38 against 13.78-14.04, at m 1 12.03-12.23 against 13.77-13.87; with the cache hints at m 64
+    # 13.10-13.25 against 13.37-13.62, five rounds (tilelang_fp8_gemm_h200_decode_cache_hints_more_ab.json)
+    ("decode", 7168, 4096): WsTiling(
+        64, 64, 8, split_k=2, k_groups=2, push_sum=True, push_regs=True, cache_hints=True
+    ),
     # V4-Flash's output LoRA (k 8192) and shared expert down (k 2048) projections: the same kernel against
     # Triton's best configuration in one bench_kernels run (kernels_h200_fp8_v4flash_decode.json): k 8192 at
     # m 1 / 8 / 64 10.56 / 11.08 / 11.58 us against 11.82 / 12.25 / 14.20; k 2048 at m 8 / 64 4.83 / 5.37
-    # against 5.81 / 5.95
-    ("decode", 4096, 8192): WsTiling(64, 64, 8, split_k=2, k_groups=2, push_sum=True, push_regs=True),
-    ("decode", 4096, 2048): WsTiling(64, 64, 8, split_k=2, k_groups=2, push_sum=True, push_regs=True),
+    # against 5.81 / 5.95. With the cache hints (the same five rounds): k 8192 at m 1 10.49-10.60 against
+    # 10.73-10.89, k 2048 at m 64 5.02-5.11 against 5.05-5.18
+    ("decode", 4096, 8192): WsTiling(
+        64, 64, 8, split_k=2, k_groups=2, push_sum=True, push_regs=True, cache_hints=True
+    ),
+    ("decode", 4096, 2048): WsTiling(
+        64, 64, 8, split_k=2, k_groups=2, push_sum=True, push_regs=True, cache_hints=True
+    ),
 }
 
 
@@ -265,6 +285,8 @@ WS_VARIANTS = {  # tilings worth timing (measured best first, then the newer one
         # pushed straight from the accumulator registers (st.async), each group adding up a share of the columns
         WsTiling(64, 64, 8, split_k=2, k_groups=2, push_sum=True, push_regs=True),
         WsTiling(64, 64, 8, split_k=4, k_groups=4, push_sum=True, push_regs=True),
+        # L2 asked to keep A and to evict the streamed weights first
+        WsTiling(64, 64, 8, split_k=2, k_groups=2, push_sum=True, push_regs=True, cache_hints=True),
     ),
 }
 
@@ -342,6 +364,8 @@ def cuda_program(m: int, n: int, k: int, tiling: Tiling):
 
 def check_ws_tiling(m: int, n: int, k: int, tiling: WsTiling) -> None:
     check_shapes(m, n, k)
+    if tiling.cache_hints and tiling.k_groups < 2:
+        raise ValueError(f"cache_hints is an option of the k-group program (k_groups > 1): {tiling}")
     if tiling.k_groups > 1:
         t = tiling
         if (

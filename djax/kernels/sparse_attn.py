@@ -34,6 +34,7 @@ def sparse_decode(
     num_stages: int = 1,
     nsplit: int = 1,
     merge_splits: bool | str = False,
+    tma_q: bool = False,
 ):
     """Decode attention over the SWA ring plus top-k picks from the compressed pool, K = V, with sinks.
 
@@ -53,7 +54,8 @@ def sparse_decode(
     through distributed shared memory (the cluster's shared memory, over the finished key ring; needs
     num_stages * block_s = 128), "push" (2 splits) each split sending the other the values of the half of
     the columns that the other stores, from registers, with no cluster barrier after the key loop
-    ("push_bf16": those values rounded to bf16 on the way, half the bytes).
+    ("push_bf16": those values rounded to bf16 on the way, half the bytes). `tma_q` (12 warps, head dim a
+    multiple of 128): q comes in by TMA rather than by the producer's cp.async.
     Unsupported shapes raise ValueError.
     """
     shapes.sparse_decode(q, window, window_valid, pool, topk, sinks)
@@ -66,29 +68,36 @@ def sparse_decode(
             num_warps = tiling.threads // 32
             fields = (tiling.merge, tiling.dsmem, tiling.push, tiling.push_bf16)
             merge_splits = next(m for m, f in MERGES.items() if f == fields)
+            tma_q = tiling.tma_q
     if not isinstance(merge_splits, bool | str) or merge_splits not in MERGES:
         raise ValueError(f"merge_splits must be one of {tuple(MERGES)}, got {merge_splits!r}")
+    if not isinstance(tma_q, bool):
+        raise ValueError(f"tma_q must be a bool, got {tma_q!r}")
     impl = resolve(impl, ("ref", "triton", "tilelang"))
     if merge_splits and impl == "triton":
         raise ValueError("merge_splits is a TileLang option: the Triton kernel merges its splits after")
+    if tma_q and impl == "triton":
+        raise ValueError("tma_q is a TileLang option: the Triton kernel loads q itself")
     if impl == "ref":
         return sparse_decode_ref(q, window, window_valid, pool, topk, sinks, scale)
     if impl == "tilelang":
         from djax.kernels.sparse_attn_tilelang import sparse_decode_tilelang
 
-        tiling = tilelang_tiling(block_s, num_stages, num_warps, nsplit, merge_splits)
+        tiling = tilelang_tiling(block_s, num_stages, num_warps, nsplit, merge_splits, tma_q)
         return sparse_decode_tilelang(q, window, window_valid, pool, topk, sinks, scale, tiling)
     return _triton(
         q, window, window_valid, pool, topk, sinks, scale, block_h, block_s, num_warps, num_stages, nsplit
     )
 
 
-def tilelang_tiling(block_s: int, num_stages: int, num_warps: int, nsplit: int, merge_splits: bool | str):
+def tilelang_tiling(
+    block_s: int, num_stages: int, num_warps: int, nsplit: int, merge_splits: bool | str, tma_q: bool = False
+):
     """The TileLang kernel's `Tiling` for `sparse_decode`'s arguments (stages below 2 read as 2)."""
     from djax.kernels.sparse_attn_tilelang import Tiling
 
     merge, dsmem, push, push_bf16 = MERGES[merge_splits]
-    return Tiling(block_s, max(num_stages, 2), 32 * num_warps, nsplit, merge, dsmem, push, push_bf16)
+    return Tiling(block_s, max(num_stages, 2), 32 * num_warps, nsplit, merge, dsmem, push, push_bf16, tma_q)
 
 
 def _triton(

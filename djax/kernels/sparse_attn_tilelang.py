@@ -16,9 +16,10 @@ Contract: `sparse_attn_ref.sparse_decode_ref`. Why this shape of kernel (see NOT
   program) the splits of a row form a thread-block cluster and merge in the kernel after a cluster barrier,
   the partials passing through global memory or (`Tiling.dsmem`) the cluster's shared memory.
 `ws_program` is the warp-specialised form (12 warps: a producer warpgroup and two consumers handing off
-through mbarriers, no CTA-wide barriers in the loop), the default where it applies. Neither uses TMA, so
-the kernel's parameters stay the plain device pointers that `djax/ffi/csrc/cubin_launch.cc` passes (operands in
-call order, then results). Compiling needs TileLang 0.1.15 and nvcc, not a GPU.
+through mbarriers, no CTA-wide barriers in the loop), the default where it applies. Neither uses TMA by
+default, so the kernel's parameters stay the plain device pointers that `djax/ffi/csrc/cubin_launch.cc` passes
+(operands in call order, then results); with `Tiling.tma_q` q's parameter is a tensor map and the kernel goes
+through `djax.ffi.tma`'s launcher. Compiling needs TileLang 0.1.15 and nvcc, not a GPU.
 """
 
 import functools
@@ -39,6 +40,7 @@ from djax.kernels.tilelang_build import (
     lower,
     lowered_on_disk,
     nvcc_cubin,
+    one_kernel,
     pointer_kernel,
     with_cluster,
     with_device_code,
@@ -75,7 +77,10 @@ class Tiling:
     (st.async into the peer's q buffers, free once the peer's last Q K^T is done), and each softmax
     warpgroup sends its running max and denominator per head the same way (`_PUSH_MERGE`).
     push_bf16 (with push): the values cross as bf16 (half the bytes through the cluster), rounded once more
-    before the weighted sum."""
+    before the weighted sum.
+    tma_q (warp-specialised program): q comes in by two TMA copies (one thread, its own mbarrier) instead of
+    4,096 cp.async: the producer's cp.async slots, which bound how fast a CTA gathers keys, go to key block 0
+    from the start rather than after q's."""
 
     block_s: int = 64
     stages: int = 2
@@ -85,6 +90,7 @@ class Tiling:
     dsmem: bool = False
     push: bool = False
     push_bf16: bool = False
+    tma_q: bool = False
 
     @property
     def warpgroups(self) -> int:
@@ -100,7 +106,7 @@ class Tiling:
 class CudaKernel:
     """A compiled kernel and what launching it takes: grid (x, y, z), parameter names, CUDA source."""
 
-    cubin: object  # djax.ffi.cubin.Cubin
+    cubin: object  # djax.ffi.cubin.Cubin, or with tma_q a djax.ffi.tma.TmaKernel
     grid: tuple[int, int, int]
     params: tuple[str, ...]
     source: str
@@ -166,6 +172,11 @@ def check_shapes(h: int, k: int, w: int, c: int, t: int, tiling: Tiling) -> None
         )
     if tiling.push_bf16 and not tiling.push:
         raise ValueError("push_bf16 needs push")
+    if tiling.tma_q and not (tiling.ws and k % 128 == 0):
+        raise ValueError(
+            f"tma_q takes the warp-specialised program (384 threads) and head dim a multiple of 128 (TMA boxes "
+            f"of 64 columns a half): got {tiling.threads} threads, head dim {k}"
+        )
     if min(w, c, t) < 1:
         raise ValueError(f"need W, C, T >= 1, got W={w} C={c} T={t}")
     nb = sum(_blocks(w, t, bs))
@@ -471,7 +482,7 @@ def ws_program(b: int, h: int, k: int, w: int, c: int, t: int, scale: float, til
     fill_rows, softmax_step, reciprocal = _row_table(w, c, t, bs), _softmax_step(bs, qk), _reciprocal()
     bf16, f32, i32 = "bfloat16", "float32", "int32"
 
-    merge, dsmem, push = tiling.merge, tiling.dsmem, tiling.push
+    merge, dsmem, push, tma_q = tiling.merge, tiling.dsmem, tiling.push, tiling.tma_q
     quads = -(-k // 4 // nsplit)  # with merge: each split merges this many 4-column groups (the last fewer)
 
     @T.macro
@@ -617,7 +628,13 @@ def ws_program(b: int, h: int, k: int, w: int, c: int, t: int, scale: float, til
             tot = T.alloc_var(f32)
         tx = T.get_thread_binding()
 
-        if tx >= 256:  # q needs no slot table: its copies start first and land with key block 0
+        if tma_q:
+            # one elected producer thread; the bytes complete on key block 0's barrier, whose phase also
+            # waits for that thread's own later arrive, so the expected count is in place before it can end
+            if tx >= 256:
+                T.tma_copy(q[bx, by * HEADS : (by + 1) * HEADS, 0:kh], q_l, barrier=ready[0])
+                T.tma_copy(q[bx, by * HEADS : (by + 1) * HEADS, kh:k], q_r, barrier=ready[0])
+        elif tx >= 256:  # q needs no slot table: its copies start first and land with key block 0
             for r, d in T.Parallel(HEADS, kh, annotations=_ASYNC):
                 q_l[r, d] = q[bx, by * HEADS + r, d]
             for r, d in T.Parallel(HEADS, kh, annotations=_ASYNC):
@@ -794,10 +811,20 @@ def lower_cuda(
 ) -> tuple[str, dict]:
     """CUDA source and launch parameters (name, grid, threads, shared_bytes, params). No GPU needed."""
     program = ws_program if tiling.ws else cuda_program
-    art = lower(program(b, h, k, w, c, t, scale, tiling), {"kind": "cuda", "arch": ARCH}, POINTER_ONLY)
+    # with tma_q TileLang lowers q's copies to TMA (the roles stay the program's own)
+    config = {"tl.disable_warp_specialized": True} if tiling.tma_q else POINTER_ONLY
+    art = lower(program(b, h, k, w, c, t, scale, tiling), {"kind": "cuda", "arch": ARCH}, config)
     kinds = [("plain", tiling.nsplit == 1), ("push", tiling.push), ("dsmem", tiling.dsmem)]
     kind = next((name for name, hit in kinds if hit), "merge" if tiling.merge else "split")
-    source, launch = pointer_kernel(art, _OPERANDS + _RESULTS[kind])
+    if tiling.tma_q:  # q's parameter is a tensor map: the TMA launcher's plan describes every parameter
+        from djax.ffi.tma import params_from_tilelang
+
+        fn, launch = one_kernel(art)
+        (host_fn,) = art.host_mod.functions.values()
+        params = params_from_tilelang(fn, host_fn, _OPERANDS + _RESULTS[kind])
+        source, launch = art.kernel_source, {**launch, "params": params}
+    else:
+        source, launch = pointer_kernel(art, _OPERANDS + _RESULTS[kind])
     if tiling.merge:
         source = with_cluster(source, launch["name"], (1, 1, tiling.nsplit))
     if tiling.dsmem:
@@ -1009,6 +1036,19 @@ def cuda_kernel(b: int, h: int, k: int, w: int, c: int, t: int, scale: float, ti
     source, launch = _lowered_on_disk(b, h, k, w, c, t, scale, tiling)
     binary = nvcc_cubin(source)
     key = "tl-" + hashlib.sha256(binary).hexdigest()[:24]
+    if tiling.tma_q:
+        from djax.ffi.tma import TmaKernel
+
+        tk = TmaKernel(
+            key,
+            launch["name"],
+            binary,
+            launch["grid"],
+            launch["threads"],
+            launch["shared_bytes"],
+            launch["params"],
+        )
+        return CudaKernel(tk, launch["grid"], launch["params"], source)
     cub = Cubin(key, launch["name"], binary, launch["threads"], launch["shared_bytes"], extra_null=0)
     return CudaKernel(cub, launch["grid"], launch["params"], source)
 
@@ -1063,14 +1103,24 @@ def sparse_decode_tilelang(
     w, c, t = window.shape[1], pool.shape[1], topk.shape[1]
     check_shapes(h, k, w, c, t, tiling)
     kern = cuda_kernel(b, h, k, w, c, t, float(scale), tiling)
+    if tiling.tma_q:
+        from djax.ffi import tma
+
+        def launch(results):
+            return tma.launch(kern.cubin, args, results)
+    else:
+
+        def launch(results):
+            return cubin.launch(kern.cubin, kern.grid, args, results)
+
     if tiling.nsplit == 1:
-        return cubin.launch(kern.cubin, kern.grid, args, jax.ShapeDtypeStruct(q.shape, q.dtype))
+        return launch(jax.ShapeDtypeStruct(q.shape, q.dtype))
     if tiling.push:  # nothing but the output leaves the cluster
-        return cubin.launch(kern.cubin, kern.grid, args, [jax.ShapeDtypeStruct(q.shape, q.dtype)])[0]
+        return launch([jax.ShapeDtypeStruct(q.shape, q.dtype)])[0]
     if tiling.merge:  # the partials (and log-sum-exps) are scratch: the kernel has merged them into out
         results = [jax.ShapeDtypeStruct(q.shape, q.dtype), *split_results(q.shape, tiling.nsplit)]
         if tiling.dsmem:  # the partials stayed in shared memory
             del results[1]
-        return cubin.launch(kern.cubin, kern.grid, args, results)[0]
-    part, lse = cubin.launch(kern.cubin, kern.grid, args, split_results(q.shape, tiling.nsplit))
+        return launch(results)[0]
+    part, lse = launch(split_results(q.shape, tiling.nsplit))
     return combine_splits(part, lse).astype(q.dtype)

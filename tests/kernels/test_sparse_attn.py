@@ -106,6 +106,10 @@ def test_public_op_auto_is_ref_on_cpu():
         sparse_decode(*args, scale=0.3, impl="triton", nsplit=2, merge_splits=True)
     with pytest.raises(ValueError, match="merge_splits must be"):
         sparse_decode(*args, scale=0.3, impl="tilelang", nsplit=2, merge_splits="smem")
+    with pytest.raises(ValueError, match="tma_q is a TileLang option"):
+        sparse_decode(*args, scale=0.3, impl="triton", tma_q=True)
+    with pytest.raises(ValueError, match="tma_q must be a bool"):
+        sparse_decode(*args, scale=0.3, impl="tilelang", tma_q=1)
 
 
 def test_kernel_operands_cast_and_reject_inconsistent_shapes():

@@ -134,6 +134,29 @@ def test_lowering_push_merged_kernel():
 
 
 @needs_tilelang
+def test_lowering_tma_q_kernel():
+    """tma_q: q's parameter is a tensor map over q [b, h, k] (boxes of 64 heads x 64 columns, 128-byte
+    swizzle, the layout wgmma reads), one elected producer thread issues its 2 x (k / 128) boxes completing
+    on key block 0's barrier (which then also expects q's bytes), and no cp.async reads q any more."""
+    from djax.ffi.tma import TensorMap
+    from djax.kernels.sparse_attn_tilelang import Tiling, lower_cuda
+
+    shape = (3, 128, 512, 100, 300, 77)
+    src, launch = lower_cuda(*shape, 0.0625, Tiling(64, 2, 384, 2, True, False, True, False, True))
+    qmap, *rest = launch["params"]
+    assert isinstance(qmap, TensorMap) and qmap.buffer == 0 and qmap.dims == (512, 128, 3)
+    assert qmap.box == (64, 64, 1) and qmap.swizzle == 3 and tuple(rest) == (1, 2, 3, 4, 5, 6)
+    kernel = src[src.index('extern "C" __global__') :]
+    assert "p0_q[" not in kernel and kernel.count("ready[0].expect_transaction(32768);") == 2
+    loads = re.findall(r"tl::tma_load\(p0_q_desc, ready\[0\], [^;]*\(\(int\)blockIdx.y\) \* 64\)", kernel)
+    assert len(loads) == 2 and "tl_shuffle_elect<128>()" in kernel  # q_l's and q_r's loops, at the head group
+    # the same program otherwise: the keys' cp.async gathers are unchanged
+    plain, _ = _lowered(shape, 64, 2, 384, 2, True, False, True)
+    gathers = "tl::cp_async_gs_conditional<16>"
+    assert kernel.count(gathers) == plain[plain.index('extern "C" __global__') :].count(gathers) > 0
+
+
+@needs_tilelang
 def test_register_layouts_are_the_ones_push_merge_assumes():
     """djax_push_merge reads the accumulator and the per-head max and denominator by register position: an
     accumulator's register i of lane l in warp w is head 16 w + 8 ((i & 3) >> 1) + l / 4, column 8 (i >> 2) +
@@ -185,6 +208,8 @@ def test_register_layouts_are_the_ones_push_merge_assumes():
         ((8, 64, 512, 128, 2048, 512), (64, 2, 384, 2, True, True, True), "push"),  # dsmem too
         ((8, 64, 96, 128, 2048, 512), (64, 2, 384, 2, True, False, True), "push"),  # head dim 96
         ((8, 64, 512, 128, 2048, 512), (64, 2, 384, 2, True, False, False, True), "push_bf16 needs push"),
+        ((8, 64, 512, 128, 2048, 512), (64, 2, 256, 2, False, False, False, False, True), "tma_q"),
+        ((8, 64, 192, 128, 2048, 512), (64, 2, 384, 2, False, False, False, False, True), "tma_q"),
     ],
 )
 def test_unsupported_shapes_raise_value_error(shape, tiling, match):
@@ -283,6 +308,29 @@ def test_tilelang_matches_ref_benchmark_shape(b, nsplit, block_s, warps, merge):
     args = sparse_decode_inputs(b + nsplit + len(str(merge)), b, 64, 512, 128, 2048, 512)
     tiling = dict(block_s=block_s, num_stages=2, num_warps=warps, nsplit=nsplit, merge_splits=merge)
     _check(args, 512**-0.5, **tiling)
+
+
+@needs_tilelang
+@pytest.mark.gpu
+@pytest.mark.parametrize(
+    "shape,nsplit,merge",
+    [
+        ((3, 128, 512, 100, 300, 77), 1, False),
+        ((3, 128, 512, 100, 300, 77), 3, False),
+        ((3, 128, 512, 100, 300, 77), 3, True),
+        ((3, 128, 512, 100, 300, 77), 2, "push"),
+        ((3, 128, 256, 100, 300, 77), 2, "push_bf16"),
+        ((64, 64, 512, 128, 2048, 512), 2, "push"),
+        ((8, 64, 512, 128, 2048, 512), 8, True),
+    ],
+)
+def test_tma_q_matches_ref(shape, nsplit, merge):
+    """q loaded by TMA: two head groups (the box's head coordinate), head dims 512 and 256, every way of
+    ending, and the benchmark's shape at b 64 and 8 with their default splits."""
+    args = sparse_decode_inputs(shape[0] + nsplit + len(str(merge)), *shape)
+    _check(
+        args, 512**-0.5, block_s=64, num_stages=2, num_warps=12, nsplit=nsplit, merge_splits=merge, tma_q=True
+    )
 
 
 @needs_tilelang

@@ -284,7 +284,11 @@ def test_ws_k_groups_lower(tiling, m):
     # the k coordinate of B's loads: split z's j-th block is z kps + j
     kps = k // 128 // tiling.split_k
     step = "(j * 128)" if tiling.split_k == 1 else f"((((int)blockIdx.z) * {kps * 128}) + (j * 128))"
-    assert step in src.split("tl::tma_load(B_desc", 1)[1].split("\n", 1)[0]
+    hint_a, hint_b = ("<tl::CacheHintSm90::EVICT_LAST>", "<tl::CacheHintSm90::EVICT_FIRST>")
+    if not tiling.cache_hints:  # L2 asked to keep A (every column tile reads it) and let the weights go first
+        hint_a = hint_b = ""
+    assert src.count(f"tl::tma_load{hint_a}(A_desc") == 1 and src.count(f"tl::tma_load{hint_b}(B_desc") == 1
+    assert step in src.split(f"tl::tma_load{hint_b}(B_desc", 1)[1].split("\n", 1)[0]
     assert src.count("warpgroup_reg_alloc") == tiling.k_groups
     maps = {p.buffer: p for p in launch["params"] if isinstance(p, tma.TensorMap)}
     assert sorted(maps) == [0, 2] and 4 in launch["params"]  # A, B by TMA; the bf16 result a pointer
@@ -373,6 +377,9 @@ def test_ws_tiling_validation_and_defaults():
     with pytest.raises(ValueError, match="push_sum is for"):
         check_ws_tiling(64, 4096, 7168, WsTiling(64, 64, 8, split_k=2, push_regs=True))
     assert pr.name == "ws64x64s8_k4_g4_ps_pr"
+    with pytest.raises(ValueError, match="cache_hints is an option of the k-group program"):
+        check_ws_tiling(64, 4096, 7168, WsTiling(64, 64, 8, split_k=2, cache_hints=True))
+    assert WsTiling(64, 64, 8, split_k=2, k_groups=2, cache_hints=True).name == "ws64x64s8_k2_g2_ch"
     with pytest.raises(ValueError, match="push_sum"):  # nothing to push without a split
         check_ws_tiling(64, 4096, 7168, WsTiling(64, 64, 8, k_groups=2, push_sum=True))
     with pytest.raises(ValueError, match="push_sum"):  # only the k-group program has a cluster sum
