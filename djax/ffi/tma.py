@@ -78,6 +78,13 @@ class TmaKernel:
     shared_bytes: int
     params: tuple[int | TensorMap, ...]
 
+    @classmethod
+    def from_launch(cls, key: str, binary: bytes, launch: dict) -> TmaKernel:
+        """From a lowering's launch description (name, grid, threads, shared_bytes, params)."""
+        fields = ("name", "grid", "threads", "shared_bytes", "params")
+        name, grid, threads, shared, params = (launch[f] for f in fields)
+        return cls(key, name, binary, grid, threads, shared, params)
+
     @property
     def plan(self) -> np.ndarray:
         words: list[int] = []

@@ -171,6 +171,10 @@ class WsTiling:
         return f"ws{self.block_m}x{self.block_n}s{self.stages}{tail}"
 
 
+# The k-group decode kernel every measured decode shape with n 4096 (k 2048 to 8192) or n 7168, k 4096 takes:
+# two consumer warpgroups over k, 2 splits summed in their cluster by pushing registers, cache hints on the loads
+K_GROUP_DECODE = WsTiling(64, 64, 8, split_k=2, k_groups=2, push_sum=True, push_regs=True, cache_hints=True)
+
 # Best "ws" tiling measured on an H200 per (regime, n, k) (bench_tilelang.py, device time; regime: m <= 64 is
 # decode): decode from benchmarks/results/tilelang_fp8_gemm_h200_decode.json (n 4096, k 7168 from
 # tilelang_fp8_gemm_h200_decode_kgroups.json), prefill from tilelang_fp8_gemm_h200_prefill.json (one run
@@ -194,33 +198,23 @@ MEASURED_WS_BEST = {
     # alternating rounds (tilelang_fp8_gemm_h200_decode_push_regs_ab.json); with L2 asked to keep A and to let
     # the weights go first, 10.52-10.66 us against 10.78-10.98, and at m 8 9.80-9.96 against 10.05-10.24 (one
     # round of five 10.45), five rounds (tilelang_fp8_gemm_h200_decode_cache_hints_ab.json)
-    ("decode", 4096, 7168): WsTiling(
-        64, 64, 8, split_k=2, k_groups=2, push_sum=True, push_regs=True, cache_hints=True
-    ),
+    ("decode", 4096, 7168): K_GROUP_DECODE,
     # the same: 8.03-8.12 us against 8.86-8.94 for 64x64 split 2 summed by XLA and 8.17-8.46 pulled; with the
     # early arrive 7.99-8.19 against 8.10-8.27; from the registers 7.53-7.72 against 7.98-8.07; with the cache
     # hints 7.40-7.59 against 7.61-7.73 (the same five rounds)
-    ("decode", 4096, 4096): WsTiling(
-        64, 64, 8, split_k=2, k_groups=2, push_sum=True, push_regs=True, cache_hints=True
-    ),
+    ("decode", 4096, 4096): K_GROUP_DECODE,
     # the register push, side by side with 64x128 and scales in shared memory (13.9 us in that first run), five
     # rounds (tilelang_fp8_gemm_h200_decode_n7168_ab.json): at m 64 13.23-13.58 us against 13.82-14.07, at m 8
     # 12.20-12.38 against 13.78-14.04, at m 1 12.03-12.23 against 13.77-13.87; with the cache hints at m 64
     # 13.10-13.25 against 13.37-13.62, five rounds (tilelang_fp8_gemm_h200_decode_cache_hints_more_ab.json)
-    ("decode", 7168, 4096): WsTiling(
-        64, 64, 8, split_k=2, k_groups=2, push_sum=True, push_regs=True, cache_hints=True
-    ),
+    ("decode", 7168, 4096): K_GROUP_DECODE,
     # V4-Flash's output LoRA (k 8192) and shared expert down (k 2048) projections: the same kernel against
     # Triton's best configuration in one bench_kernels run (kernels_h200_fp8_v4flash_decode.json): k 8192 at
     # m 1 / 8 / 64 10.56 / 11.08 / 11.58 us against 11.82 / 12.25 / 14.20; k 2048 at m 8 / 64 4.83 / 5.37
     # against 5.81 / 5.95. With the cache hints (the same five rounds): k 8192 at m 1 10.49-10.60 against
     # 10.73-10.89, k 2048 at m 64 5.02-5.11 against 5.05-5.18
-    ("decode", 4096, 8192): WsTiling(
-        64, 64, 8, split_k=2, k_groups=2, push_sum=True, push_regs=True, cache_hints=True
-    ),
-    ("decode", 4096, 2048): WsTiling(
-        64, 64, 8, split_k=2, k_groups=2, push_sum=True, push_regs=True, cache_hints=True
-    ),
+    ("decode", 4096, 8192): K_GROUP_DECODE,
+    ("decode", 4096, 2048): K_GROUP_DECODE,
 }
 
 
@@ -286,7 +280,7 @@ WS_VARIANTS = {  # tilings worth timing (measured best first, then the newer one
         WsTiling(64, 64, 8, split_k=2, k_groups=2, push_sum=True, push_regs=True),
         WsTiling(64, 64, 8, split_k=4, k_groups=4, push_sum=True, push_regs=True),
         # L2 asked to keep A and to evict the streamed weights first
-        WsTiling(64, 64, 8, split_k=2, k_groups=2, push_sum=True, push_regs=True, cache_hints=True),
+        K_GROUP_DECODE,
     ),
 }
 
@@ -770,15 +764,7 @@ def ws_kernel(m: int, n: int, k: int, tiling: WsTiling | None = None, groups: in
         source, launch = lowered_on_disk("fp8_gemm_ws", (m, n, k, tiling), lower_ws, ws_sources(tiling))
     binary = nvcc_cubin(source)
     key = "tlws-" + hashlib.sha256(binary).hexdigest()[:24]
-    return TmaKernel(
-        key,
-        launch["name"],
-        binary,
-        launch["grid"],
-        launch["threads"],
-        launch["shared_bytes"],
-        launch["params"],
-    )
+    return TmaKernel.from_launch(key, binary, launch)
 
 
 VARIANTS = ("pointer", "ws")

@@ -1039,15 +1039,7 @@ def cuda_kernel(b: int, h: int, k: int, w: int, c: int, t: int, scale: float, ti
     if tiling.tma_q:
         from djax.ffi.tma import TmaKernel
 
-        tk = TmaKernel(
-            key,
-            launch["name"],
-            binary,
-            launch["grid"],
-            launch["threads"],
-            launch["shared_bytes"],
-            launch["params"],
-        )
+        tk = TmaKernel.from_launch(key, binary, launch)
         return CudaKernel(tk, launch["grid"], launch["params"], source)
     cub = Cubin(key, launch["name"], binary, launch["threads"], launch["shared_bytes"], extra_null=0)
     return CudaKernel(cub, launch["grid"], launch["params"], source)
