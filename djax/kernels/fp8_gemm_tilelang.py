@@ -41,8 +41,8 @@ from djax.kernels.tilelang_build import (
     lower,
     lowered_on_disk,
     nvcc_cubin,
-    one_kernel,
     pointer_kernel,
+    tma_kernel,
 )
 
 BLOCK = 128  # scale granularity along k (and along n for the weights)
@@ -668,21 +668,16 @@ def lower_ws(m: int, n: int, k: int, tiling: WsTiling | None = None, groups: int
     """CUDA source and launch description of the TMA + warp-specialised variant: grid, threads (producer
     warpgroup included), shared_bytes, name, and params (per kernel parameter: an FFI buffer index for a pointer,
     or a `djax.ffi.tma.TensorMap`). groups > 0: the grouped contiguous program (`ws_program`). No GPU needed."""
-    from djax.ffi.tma import params_from_tilelang
-
     tiling = tiling or (default_grouped_tiling(n) if groups else default_ws_tiling(m, n, k))
     art = lower(ws_program(m, n, k, tiling, groups), {"kind": "cuda", "arch": ARCH}, HOPPER)
-    fn, launch = one_kernel(art)
-    (host_fn,) = art.host_mod.functions.values()
-    source = art.kernel_source
+    source, launch = tma_kernel(art, _GROUPED_PARAMS if groups else _PARAMS)
     if tiling.sums_in_cluster:
         from djax.kernels.fp8_decode_tilelang import with_cluster_sum
 
         source = with_cluster_sum(source, launch["name"], tiling.split_k, tiling.push_sum)
     if tiling.early_store:
         source = with_early_store(source)
-    names = _GROUPED_PARAMS if groups else _PARAMS
-    return source, {**launch, "params": params_from_tilelang(fn, host_fn, names)}
+    return source, launch
 
 
 _STORE_WAIT = "      tl::tma_store_arrive();\n      tl::tma_store_wait<0, true>();\n"

@@ -41,6 +41,17 @@ def pointer_kernel(art, want_params: tuple[str, ...]) -> tuple[str, dict]:
     return art.kernel_source, {**launch, "params": params}
 
 
+def tma_kernel(art, buffers: tuple[str, ...]) -> tuple[str, dict]:
+    """The CUDA source and launch description of a lowered TileLang program for the TMA launcher
+    (`djax.ffi.tma`): as `pointer_kernel`, with params one entry per kernel parameter, the FFI index of the
+    buffer it points into or the `TensorMap` describing it; `buffers` names the FFI operands, then results."""
+    from djax.ffi.tma import params_from_tilelang
+
+    fn, launch = one_kernel(art)
+    (host_fn,) = art.host_mod.functions.values()
+    return art.kernel_source, {**launch, "params": params_from_tilelang(fn, host_fn, buffers)}
+
+
 def one_kernel(art) -> tuple[object, dict]:
     """The lowered program's one device function and its launch shape (name, grid, threads, shared_bytes), as
     the FFI launchers take it: 1-D blocks, no clusters. Raises NotImplementedError for anything else."""
