@@ -38,6 +38,10 @@ VARIANTS = {  # name -> sparse_decode's tiling arguments (on top of WS)
     "push_tmaq": dict(nsplit=2, merge_splits="push", tma_q=True),  # push, q loaded by TMA
     "gmem8": dict(nsplit=8, merge_splits=True),  # the b8 default: 8 splits merged through global memory
     "gmem8_tmaq": dict(nsplit=8, merge_splits=True, tma_q=True),
+    "pair": dict(nsplit=1, dim_pair=True),  # a CTA pair splitting the head dim, scores summed every block
+    "pair3": dict(nsplit=1, num_stages=3, dim_pair=True),
+    "pair32_6": dict(nsplit=1, block_s=32, num_stages=6, dim_pair=True),  # 32-key blocks: more in flight
+    "pair32_8": dict(nsplit=1, block_s=32, num_stages=8, dim_pair=True),
 }
 
 
@@ -81,6 +85,7 @@ def main():
                     kw["nsplit"],
                     merge,
                     kw.get("tma_q", False),
+                    kw.get("dim_pair", False),
                 )
                 cuda_kernel(b, H, K, W, C, T, SCALE, tiling)
                 print("built", name, b, flush=True)

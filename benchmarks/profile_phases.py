@@ -1,5 +1,6 @@
 """Where the time goes inside one CTA: phase timestamps of the FP8 decode GEMM (m 64, n 4096, k 7168) and the
-sparse decode attention (b 64, 64 heads x 512, W 128, top 512 of 2048) at their default tilings.
+sparse decode attention (b 64, 64 heads x 512, W 128, top 512 of 2048; 2 key splits, the merge pushed) at
+those tilings.
 
 python benchmarks/profile_phases.py [--out DIR] [--launches 8]      (CUDA GPU, TileLang and nvcc)
 python benchmarks/profile_phases.py --build                          (compiles only: no GPU needed)
@@ -112,15 +113,14 @@ def decode_source():
 
 
 def attention_source():
-    """The sparse decode default at b 64 (2 splits, the merge pushed from registers); (source, launch, names).
+    """The sparse decode at b 64 with 2 key splits and the merge pushed from registers (the default before the
+    head-dim pair); (source, launch, names).
     The points inside `djax_push_merge` are not stamped (the shared array is the kernel's): each consumer
     warpgroup's call of it ends its CTA's part of the merge (sending for one, storing for the other)."""
     from djax.kernels import sparse_attn_tilelang as S
 
     b, h, k, w, c, t = ATTN
-    tiling = S.default_tiling(b, h, k, w, t)
-    if not tiling.push:
-        raise NotImplementedError(f"the points are placed for the pushed merge, not {tiling}")
+    tiling = S.Tiling(64, 2, 384, 2, merge=True, push=True)
     blocks = (-(-w // tiling.block_s) + -(-t // tiling.block_s)) // tiling.nsplit  # key blocks per split
     src, launch = S._lowered_on_disk(b, h, k, w, c, t, k**-0.5, tiling)
     names = (

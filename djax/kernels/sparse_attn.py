@@ -35,6 +35,7 @@ def sparse_decode(
     nsplit: int = 1,
     merge_splits: bool | str = False,
     tma_q: bool = False,
+    dim_pair: bool = False,
 ):
     """Decode attention over the SWA ring plus top-k picks from the compressed pool, K = V, with sinks.
 
@@ -55,7 +56,9 @@ def sparse_decode(
     num_stages * block_s = 128), "push" (2 splits) each split sending the other the values of the half of
     the columns that the other stores, from registers, with no cluster barrier after the key loop
     ("push_bf16": those values rounded to bf16 on the way, half the bytes). `tma_q` (12 warps, head dim a
-    multiple of 128): q comes in by TMA rather than by the producer's cp.async.
+    multiple of 128): q comes in by TMA rather than by the producer's cp.async. `dim_pair` (12 warps, no
+    splits): two CTAs per row (and 64 heads), one cluster, each taking half of the head dim over all of the
+    row's keys and adding the other's partial scores every key block; no merge after the loop.
     Unsupported shapes raise ValueError.
     """
     shapes.sparse_decode(q, window, window_valid, pool, topk, sinks)
@@ -68,22 +71,25 @@ def sparse_decode(
             num_warps = tiling.threads // 32
             fields = (tiling.merge, tiling.dsmem, tiling.push, tiling.push_bf16)
             merge_splits = next(m for m, f in MERGES.items() if f == fields)
-            tma_q = tiling.tma_q
+            tma_q, dim_pair = tiling.tma_q, tiling.dim_pair
     if not isinstance(merge_splits, bool | str) or merge_splits not in MERGES:
         raise ValueError(f"merge_splits must be one of {tuple(MERGES)}, got {merge_splits!r}")
-    if not isinstance(tma_q, bool):
-        raise ValueError(f"tma_q must be a bool, got {tma_q!r}")
+    for name, flag in (("tma_q", tma_q), ("dim_pair", dim_pair)):
+        if not isinstance(flag, bool):
+            raise ValueError(f"{name} must be a bool, got {flag!r}")
     impl = resolve(impl, ("ref", "triton", "tilelang"))
     if merge_splits and impl == "triton":
         raise ValueError("merge_splits is a TileLang option: the Triton kernel merges its splits after")
     if tma_q and impl == "triton":
         raise ValueError("tma_q is a TileLang option: the Triton kernel loads q itself")
+    if dim_pair and impl == "triton":
+        raise ValueError("dim_pair is a TileLang option: the Triton kernel takes the whole head dim")
     if impl == "ref":
         return sparse_decode_ref(q, window, window_valid, pool, topk, sinks, scale)
     if impl == "tilelang":
         from djax.kernels.sparse_attn_tilelang import sparse_decode_tilelang
 
-        tiling = tilelang_tiling(block_s, num_stages, num_warps, nsplit, merge_splits, tma_q)
+        tiling = tilelang_tiling(block_s, num_stages, num_warps, nsplit, merge_splits, tma_q, dim_pair)
         return sparse_decode_tilelang(q, window, window_valid, pool, topk, sinks, scale, tiling)
     return _triton(
         q, window, window_valid, pool, topk, sinks, scale, block_h, block_s, num_warps, num_stages, nsplit
@@ -91,13 +97,20 @@ def sparse_decode(
 
 
 def tilelang_tiling(
-    block_s: int, num_stages: int, num_warps: int, nsplit: int, merge_splits: bool | str, tma_q: bool = False
+    block_s: int,
+    num_stages: int,
+    num_warps: int,
+    nsplit: int,
+    merge_splits: bool | str,
+    tma_q: bool = False,
+    dim_pair: bool = False,
 ):
     """The TileLang kernel's `Tiling` for `sparse_decode`'s arguments (stages below 2 read as 2)."""
     from djax.kernels.sparse_attn_tilelang import Tiling
 
     merge, dsmem, push, push_bf16 = MERGES[merge_splits]
-    return Tiling(block_s, max(num_stages, 2), 32 * num_warps, nsplit, merge, dsmem, push, push_bf16, tma_q)
+    stages, threads = max(num_stages, 2), 32 * num_warps
+    return Tiling(block_s, stages, threads, nsplit, merge, dsmem, push, push_bf16, tma_q, dim_pair)
 
 
 def _triton(

@@ -16,10 +16,11 @@ Contract: `sparse_attn_ref.sparse_decode_ref`. Why this shape of kernel (see NOT
   program) the splits of a row form a thread-block cluster and merge in the kernel after a cluster barrier,
   the partials passing through global memory or (`Tiling.dsmem`) the cluster's shared memory.
 `ws_program` is the warp-specialised form (12 warps: a producer warpgroup and two consumers handing off
-through mbarriers, no CTA-wide barriers in the loop), the default where it applies. Neither uses TMA by
-default, so the kernel's parameters stay the plain device pointers that `djax/ffi/csrc/cubin_launch.cc` passes
-(operands in call order, then results); with `Tiling.tma_q` q's parameter is a tensor map and the kernel goes
-through `djax.ffi.tma`'s launcher. Compiling needs TileLang 0.1.15 and nvcc, not a GPU.
+through mbarriers, no CTA-wide barriers in the loop), the default where it applies; `pair_program`
+(`Tiling.dim_pair`) is its form for two CTAs per row that split the head dim instead of the keys (the default
+where the grid takes two CTAs per row). None uses TMA by default, so the kernel's parameters stay the plain
+device pointers that `djax/ffi/csrc/cubin_launch.cc` passes (operands in call order, then results); with
+`Tiling.tma_q` q's parameter is a tensor map and the kernel goes through `djax.ffi.tma`'s launcher. Compiling needs TileLang 0.1.15 and nvcc, not a GPU.
 """
 
 import functools
@@ -58,6 +59,7 @@ _RESULTS = {
     "merge": ("p6_out", "p7_part", "p8_lse"),
     "dsmem": ("p6_out", "p8_lse"),  # the merged entry with the unused partial dropped by TileLang
     "push": ("p6_out",),  # and with push the log-sum-exps too
+    "pair": ("p6_out",),
 }
 _MAX_CLUSTER = 8  # the portable thread-block cluster size
 
@@ -80,7 +82,10 @@ class Tiling:
     before the weighted sum.
     tma_q (warp-specialised program): q comes in by TMA (one elected producer thread, completing on key
     block 0's barrier) instead of 4,096 cp.async, which leaves the producer's cp.async to key block 0 from the
-    start. Measured within 1% of the cp.async form (NOTES.md), so an option."""
+    start. Measured within 1% of the cp.async form (NOTES.md), so an option.
+    dim_pair (`pair_program`, 384 threads, nsplit 1): the two CTAs of a cluster each take half of the head
+    dim (of q, of every key and of the output) over all of the row's key blocks, and add each other's
+    partial scores every block, so q is read once per row and nothing is merged after the loop."""
 
     block_s: int = 64
     stages: int = 2
@@ -91,6 +96,7 @@ class Tiling:
     push: bool = False
     push_bf16: bool = False
     tma_q: bool = False
+    dim_pair: bool = False
 
     @property
     def warpgroups(self) -> int:
@@ -119,6 +125,14 @@ def _blocks(w: int, t: int, block_s: int) -> tuple[int, int]:
 def shared_bytes(k: int, w: int, t: int, tiling: Tiling) -> int:
     """Shared memory the program asks for: q, the key ring, P, the per-slot row table (static shared)."""
     nbw, nbt = _blocks(w, t, tiling.block_s)
+    if tiling.dim_pair:  # half of q and of the ring, a P per warpgroup, the exchange, the max and sum tables
+        bs, kh = tiling.block_s, k // 2
+        return (
+            2 * (HEADS * kh + tiling.stages * bs * kh + 2 * HEADS * bs)
+            + 4 * _pair_exchange_floats(k, bs)
+            + 4 * 4 * HEADS
+            + 4 * ((nbw + nbt) * bs)
+        )
     # the warp-specialised program's alpha and 1 / l tables, and with merge every split's weights (with
     # push: the max and denominator per head, and the peer's, 4 floats per 2 heads)
     per_merge = 4 if tiling.push else tiling.nsplit
@@ -128,6 +142,12 @@ def shared_bytes(k: int, w: int, t: int, tiling: Tiling) -> int:
         + 4 * ((nbw + nbt) * tiling.block_s)
         + extra
     )
+
+
+def _pair_exchange_floats(k: int, bs: int) -> int:
+    """The pair program's exchange buffer: both warpgroups' peer scores, double-buffered, in the loop; the
+    output's bf16 rows (64 x k/2) at the end."""
+    return max(4 * HEADS * bs, HEADS * k // 4)
 
 
 def check_shapes(h: int, k: int, w: int, c: int, t: int, tiling: Tiling) -> None:
@@ -176,6 +196,19 @@ def check_shapes(h: int, k: int, w: int, c: int, t: int, tiling: Tiling) -> None
         raise ValueError(
             f"tma_q takes the warp-specialised program (384 threads) and head dim a multiple of 128 (TMA boxes "
             f"of 64 columns a half): got {tiling.threads} threads, head dim {k}"
+        )
+    if tiling.dim_pair and not (
+        tiling.ws and tiling.nsplit == 1 and not (tiling.merge or tiling.tma_q) and k % 32 == 0
+    ):
+        raise ValueError(
+            f"dim_pair takes the warp-specialised program (384 threads), no splits, merge or tma_q, and head "
+            f"dim a multiple of 32 (each warpgroup stores a quarter): got {tiling.threads} threads, nsplit "
+            f"{tiling.nsplit}, merge={tiling.merge}, tma_q={tiling.tma_q}, head dim {k}"
+        )
+    if tiling.dim_pair and tiling.stages * bs < 2 * HEADS:
+        raise ValueError(
+            f"dim_pair swaps the f32 accumulator halves through the finished key ring: stages * block_s must "
+            f"be >= {2 * HEADS}, got {tiling.stages} x {bs}"
         )
     if min(w, c, t) < 1:
         raise ValueError(f"need W, C, T >= 1, got W={w} C={c} T={t}")
@@ -806,15 +839,188 @@ def ws_program(b: int, h: int, k: int, w: int, c: int, t: int, scale: float, til
     return _entry(b, h, k, w, c, t, nb, nsplit, 384, plain, split, merged if merge else None)
 
 
+def pair_program(b: int, h: int, k: int, w: int, c: int, t: int, scale: float, tiling: Tiling):
+    """`Tiling.dim_pair`: grid (b, h / 64, 2), the two CTAs of a row (and head group) one cluster, CTA `bz`
+    holding columns [bz k/2, (bz + 1) k/2) of q, of every key and of the output.
+
+    Each block's scores are the sum of the two CTAs' partial products over their halves: a consumer
+    warpgroup computes its partial S, sends it from its registers into the peer's shared memory (st.async,
+    `_PAIR`) and adds the peer's, so both CTAs hold the same S (f32 addition commutes), take the same online
+    softmax and apply the same P to their own half of the values. Nothing is merged across the pair after
+    the loop, and q's 64 KB are read once per row instead of once per split. Roles, as in `ws_program`: a
+    producer warpgroup (cp.async of q's half and of each block's half rows into a ring of `stages` buffers)
+    and two consumer warpgroups, which here take alternate key blocks (0 the even ones, 1 the odd ones),
+    each with its own running max, denominator and accumulator (64 x k/2 f32), so one's exchange overlaps
+    the other's products. At the end each warpgroup hands the other its accumulator for half of the columns
+    through the finished key ring, combines the two softmax states for its half and stores bf16.
+    """
+    check_shapes(h, k, w, c, t, tiling)
+    import tilelang.language as T
+
+    bs, ns = tiling.block_s, tiling.stages
+    nbw, nbt = _blocks(w, t, bs)
+    nb = nbw + nbt
+    kh, hg = k // 2, h // HEADS
+    qk = float(scale) * _LOG2E
+    fill_rows, softmax_step = _row_table(w, c, t, bs), _softmax_step(bs, qk)
+    bf16, f32, i32, i8 = "bfloat16", "float32", "int32", "int8"
+    xbytes = HEADS * bs * 4  # one warpgroup's partial scores of one block
+
+    @T.macro
+    def gather(ring, st, src, bx, blk, rows, bz):
+        for r, d in T.Parallel(bs, kh, annotations=_ASYNC):
+            ring[st, r, d] = T.if_then_else(
+                rows[blk * bs + r] >= 0, src[bx, T.max(rows[blk * bs + r], 0), bz * kh + d], T.cast(0, bf16)
+            )
+
+    @T.macro
+    def consumer(g0, tid, bx, by, bz, sinks, out, shared, bars, p_s, state):
+        """Consumer warpgroup g0 (0 or 1, `tid` its thread in [0, 128)) over key blocks g0, g0 + 2, ...; `state`:
+        its fragments (scores, accumulator, max, previous max, denominator, row sums, rescale factors)."""
+        q_s, k_s, xs, ml, rows = shared
+        ready, free, xbar = bars
+        s, acc, m, m_prev, l, rsum, alpha = state
+        n = (nb + 1 - g0) // 2
+        for hh in T.Parallel(HEADS):
+            m[hh] = sinks[by * HEADS + hh] * _LOG2E
+            l[hh] = 1.0 if g0 == 0 else 0.0  # the sink's term, counted once
+        T.clear(acc)
+        T.cluster_wait()  # the peer's barriers are initialised before the first scores go there
+        for i in T.serial(n):
+            g = 2 * i + g0
+            st = g % ns
+            x = 2 * g0 + i % 2
+            T.barrier_wait(ready[st], (g // ns) & 1)
+            T.gemm(q_s, k_s[st, :, :], s, transpose_B=True, clear_accum=True)
+            T.call_extern(
+                "handle",
+                f"djax_pair_send<{HEADS * bs // 128}>",
+                s.data,
+                T.address_of(xs[0]),
+                xbar[x],
+                x,
+                bz ^ 1,
+                tid,
+            )
+            T.barrier_wait(xbar[x], (i // 2) & 1)
+            T.call_extern(
+                "handle", f"djax_pair_add<{HEADS * bs // 128}>", s.data, T.address_of(xs[0]), x, tid
+            )
+            if tid == 0 and i + 2 < n:  # this buffer's next use: the peer sends it after our next scores
+                T.mbarrier_arrive_expect_tx(xbar[x], xbytes)
+            softmax_step(s, rows, g * bs, m, m_prev, alpha, rsum, l)
+            for hh, d in T.Parallel(HEADS, kh):
+                acc[hh, d] *= alpha[hh]
+            T.copy(s, p_s)
+            T.fence_proxy_async()  # P is read by wgmma (the async proxy)
+            T.gemm(p_s, k_s[st, :, :], acc)
+            T.barrier_arrive(free[st])
+        # the second cluster barrier: every thread arrives once its loop is done, and waits only before
+        # leaving, so no CTA leaves while its scores may still be on their way to the peer
+        T.cluster_arrive_relaxed()
+        T.call_extern(
+            "handle",
+            f"djax_pair_end<{kh}, {k}, {g0}>",
+            out.data,  # address_of a global element fails to lower here: base and offset
+            (bx * h + by * HEADS) * k + bz * kh,
+            acc.data,
+            m.data,
+            l.data,
+            T.address_of(k_s[0, 0, 0]),
+            T.address_of(ml[0]),
+            T.address_of(xs[0]),
+            tid,
+        )
+        T.cluster_wait()
+
+    @T.prim_func
+    def sparse_decode_pair(
+        p0_q: T.Tensor((b, h, k), bf16),
+        p1_window: T.Tensor((b, w, k), bf16),
+        p2_valid: T.Tensor((b, w), i8),
+        p3_pool: T.Tensor((b, c, k), bf16),
+        p4_topk: T.Tensor((b, t), i32),
+        p5_sinks: T.Tensor((h,), f32),
+        p6_out: T.Tensor((b, h, k), bf16),
+    ):
+        with T.Kernel(b, hg, 2, threads=384) as (bx, by, bz):
+            q_s = T.alloc_shared((HEADS, kh), bf16)
+            k_s = T.alloc_shared((ns, bs, kh), bf16)
+            p0_s = T.alloc_shared((HEADS, bs), bf16)
+            p1_s = T.alloc_shared((HEADS, bs), bf16)
+            xs = T.alloc_shared((_pair_exchange_floats(k, bs),), f32)
+            ml = T.alloc_shared((4 * HEADS,), f32, scope="shared")
+            rows = T.alloc_shared((nb * bs,), i32, scope="shared")
+            s0 = T.alloc_fragment((HEADS, bs), f32)
+            s1 = T.alloc_fragment((HEADS, bs), f32)
+            acc0 = T.alloc_fragment((HEADS, kh), f32)
+            acc1 = T.alloc_fragment((HEADS, kh), f32)
+            m0 = T.alloc_fragment((HEADS,), f32)
+            m1 = T.alloc_fragment((HEADS,), f32)
+            mp0 = T.alloc_fragment((HEADS,), f32)
+            mp1 = T.alloc_fragment((HEADS,), f32)
+            l0 = T.alloc_fragment((HEADS,), f32)
+            l1 = T.alloc_fragment((HEADS,), f32)
+            rs0 = T.alloc_fragment((HEADS,), f32)
+            rs1 = T.alloc_fragment((HEADS,), f32)
+            al0 = T.alloc_fragment((HEADS,), f32)
+            al1 = T.alloc_fragment((HEADS,), f32)
+            ready = T.alloc_barrier([128] * ns)  # the producer's 128 threads, one cp.async arrive each
+            free = T.alloc_barrier([128] * ns)  # the warpgroup that took the block
+            xbar = T.alloc_barrier([1] * 4)  # the peer's scores landed: [warpgroup][use parity]
+            tx = T.get_thread_binding()
+            shared, bars = (q_s, k_s, xs, ml, rows), (ready, free, xbar)
+
+            if tx >= 256:  # q's half needs no slot table: its copies start first and land with key block 0
+                for r, d in T.Parallel(HEADS, kh, annotations=_ASYNC):
+                    q_s[r, d] = p0_q[bx, by * HEADS + r, bz * kh + d]
+            fill_rows(rows, bx, p2_valid, p4_topk)
+            T.sync_threads()
+            if tx == 0 or tx == 128:  # each consumer's first two exchanges (a block of the row's each way)
+                for j in T.serial(2):
+                    if j < (nb + 1 - tx // 128) // 2:
+                        T.mbarrier_arrive_expect_tx(xbar[2 * (tx // 128) + j], xbytes)
+            T.cluster_arrive()  # release: the barriers above, to the peer
+
+            if tx >= 256:
+                T.set_max_nreg(80, 0)
+                for g in T.serial(nb):
+                    st = g % ns
+                    T.barrier_wait(free[st], ((g // ns) & 1) ^ 1)
+                    if g < nbw:
+                        gather(k_s, st, p1_window, bx, g, rows, bz)
+                    else:
+                        gather(k_s, st, p3_pool, bx, g, rows, bz)
+                    T.cp_async_barrier_noinc(ready[st])
+                T.cluster_wait()
+                T.cluster_arrive_relaxed()
+                T.cluster_wait()
+            elif tx < 128:
+                T.set_max_nreg(208, 1)
+                state = (s0, acc0, m0, mp0, l0, rs0, al0)
+                consumer(0, tx, bx, by, bz, p5_sinks, p6_out, shared, bars, p0_s, state)
+            else:
+                T.set_max_nreg(208, 1)
+                state = (s1, acc1, m1, mp1, l1, rs1, al1)
+                consumer(1, tx - 128, bx, by, bz, p5_sinks, p6_out, shared, bars, p1_s, state)
+
+    return sparse_decode_pair
+
+
 def lower_cuda(
     b: int, h: int, k: int, w: int, c: int, t: int, scale: float, tiling: Tiling
 ) -> tuple[str, dict]:
     """CUDA source and launch parameters (name, grid, threads, shared_bytes, params). No GPU needed."""
-    program = ws_program if tiling.ws else cuda_program
+    program = pair_program if tiling.dim_pair else ws_program if tiling.ws else cuda_program
     # with tma_q TileLang lowers q's copies to TMA (the roles stay the program's own)
     config = {"tl.disable_warp_specialized": True} if tiling.tma_q else POINTER_ONLY
     art = lower(program(b, h, k, w, c, t, scale, tiling), {"kind": "cuda", "arch": ARCH}, config)
-    kinds = [("plain", tiling.nsplit == 1), ("push", tiling.push), ("dsmem", tiling.dsmem)]
+    kinds = [
+        ("pair", tiling.dim_pair),
+        ("plain", tiling.nsplit == 1),
+        ("push", tiling.push),
+        ("dsmem", tiling.dsmem),
+    ]
     kind = next((name for name, hit in kinds if hit), "merge" if tiling.merge else "split")
     # with tma_q q's parameter is a tensor map: the TMA launcher's plan describes every parameter
     source, launch = (tma_kernel if tiling.tma_q else pointer_kernel)(art, _OPERANDS + _RESULTS[kind])
@@ -824,6 +1030,8 @@ def lower_cuda(
         source = with_device_code(source, _DSMEM_MERGE)
     if tiling.push:
         source = with_device_code(source, PEER_ADDRESS + _PUSH_MERGE)
+    if tiling.dim_pair:
+        source = with_device_code(with_cluster(source, launch["name"], (1, 1, 2)), PEER_ADDRESS + _PAIR)
     return source, launch
 
 
@@ -1014,6 +1222,98 @@ __device__ __forceinline__ void djax_push_merge(const bfloat16_t* out_ro, int ou
 """
 
 
+# The pair program's exchanges (`Tiling.dim_pair`), as CUDA put into the lowered source ahead of the kernel.
+# `djax_pair_send` / `djax_pair_add`: a consumer warpgroup's NF partial scores a thread (TileLang's fragment,
+# the same layout in both CTAs of the pair) go to exchange buffer x (= 2 warpgroup + use parity) of the peer,
+# float4 j of thread t at (x NF/4 + j) 128 + t (a warp's 32 lanes: 512 contiguous bytes), completing bytes on
+# the peer's barrier x; the receiver adds them in place. `djax_pair_end`: the accumulator's register i of lane
+# l in warp w holds head 16 w + 8 ((i & 3) >> 1) + l / 4, column 8 (i >> 2) + 2 (l & 3) + (i & 1) of the CTA's
+# KH (checked by a CPU test against TileLang's own indexing); warpgroup G stores the columns of quads
+# [G NQ/2, (G + 1) NQ/2) after taking the other warpgroup's values for them through the finished key ring
+# (`swap`: same thread, same positions) and both running maxes and denominators through `ml`: out = (acc_0 e^{m_0 - M} + acc_1
+# e^{m_1 - M}) / (l_0 e^{m_0 - M} + l_1 e^{m_1 - M}), M = max(m_0, m_1), in base 2.
+_PAIR = r"""
+template <int NF>
+__device__ __forceinline__ void djax_pair_send(const float* s, void* xs, Barrier& bar, int x, int peer, int tid) {
+  const float4* base = reinterpret_cast<const float4*>(xs) + x * (NF / 4) * 128 + tid;
+  const uint32_t b = djax_peer(&bar, peer);
+#pragma unroll
+  for (int j = 0; j < NF / 4; ++j) {
+    asm volatile(
+        "st.async.shared::cluster.mbarrier::complete_tx::bytes.v4.f32 [%0], {%1, %2, %3, %4}, [%5];"
+        ::"r"(djax_peer(base + j * 128, peer)), "f"(s[4 * j]), "f"(s[4 * j + 1]), "f"(s[4 * j + 2]),
+        "f"(s[4 * j + 3]), "r"(b) : "memory");
+  }
+}
+
+template <int NF>
+__device__ __forceinline__ void djax_pair_add(float* s, const void* xs, int x, int tid) {
+  const float4* base = reinterpret_cast<const float4*>(xs) + x * (NF / 4) * 128 + tid;
+#pragma unroll
+  for (int j = 0; j < NF / 4; ++j) {
+    const float4 v = base[j * 128];
+    s[4 * j] += v.x; s[4 * j + 1] += v.y; s[4 * j + 2] += v.z; s[4 * j + 3] += v.w;
+  }
+}
+
+template <int KH, int K, int G>
+__device__ __forceinline__ void djax_pair_end(const bfloat16_t* out_ro, int out_at, const float* acc, const float* m,
+                                              const float* l, void* swap, float* ml, void* stage, int tid) {
+  // TileLang declares the output const: this function is the only writer it does not see
+  bfloat16_t* out = const_cast<bfloat16_t*>(out_ro);
+  constexpr int H = 64, NQ = KH / 8, HALF = NQ / 2, SW = HALF < 8 ? HALF : 8, ROW = KH;  // ROW: bytes a head
+  const int w = tid / 32, lane = tid % 32, r0 = 16 * w + lane / 4;
+  float4* x = reinterpret_cast<float4*>(swap);
+  // both warpgroups past their loops: the key ring (`swap`) is free and no scores land in `stage` any more
+  asm volatile("bar.sync 14, 256;" ::: "memory");
+  if (lane % 4 == 0) {
+    ml[G * 2 * H + r0] = m[0];
+    ml[G * 2 * H + r0 + 8] = m[1];
+    ml[G * 2 * H + H + r0] = l[0];
+    ml[G * 2 * H + H + r0 + 8] = l[1];
+  }
+#pragma unroll
+  for (int j = 0; j < HALF; ++j) {  // the other warpgroup's columns, from this one's registers
+    const int q = (1 - G) * HALF + j;
+    x[(G * HALF + j) * 128 + tid] = make_float4(acc[4 * q], acc[4 * q + 1], acc[4 * q + 2], acc[4 * q + 3]);
+  }
+  asm volatile("bar.sync 14, 256;" ::: "memory");
+  float own[2], other[2];
+#pragma unroll
+  for (int h = 0; h < 2; ++h) {
+    const int head = r0 + 8 * h;
+    const float mo = m[h], lo = l[h], mp = ml[(1 - G) * 2 * H + head], lp = ml[(1 - G) * 2 * H + H + head];
+    const float top = fmaxf(mo, mp), a = exp2f(mo - top), b = exp2f(mp - top);
+    const float inv = 1.f / (lo * a + lp * b);  // > 0: warpgroup 0's denominator counts the sink
+    own[h] = a * inv;
+    other[h] = b * inv;
+  }
+  // bf16 rows of this warpgroup's KH / 2 columns staged in the exchange buffer (16-byte chunk c of head r at
+  // chunk c ^ (r mod SW)), then stored 16 bytes a thread, a warp writing whole rows
+  char* staged = static_cast<char*>(stage) + G * H * ROW;
+#pragma unroll
+  for (int j = 0; j < HALF; ++j) {
+    const int q = G * HALF + j;
+    const float4 v = x[((1 - G) * HALF + j) * 128 + tid];
+    bfloat16_t top[2] = {bfloat16_t(acc[4 * q] * own[0] + v.x * other[0]),
+                         bfloat16_t(acc[4 * q + 1] * own[0] + v.y * other[0])};
+    bfloat16_t bottom[2] = {bfloat16_t(acc[4 * q + 2] * own[1] + v.z * other[1]),
+                            bfloat16_t(acc[4 * q + 3] * own[1] + v.w * other[1])};
+    const int at = ((j ^ (r0 % SW)) * 16) + 4 * (lane % 4);  // heads r0 and r0 + 8 share the swizzle
+    *reinterpret_cast<uint32_t*>(staged + r0 * ROW + at) = *reinterpret_cast<const uint32_t*>(top);
+    *reinterpret_cast<uint32_t*>(staged + (r0 + 8) * ROW + at) = *reinterpret_cast<const uint32_t*>(bottom);
+  }
+  asm volatile("bar.sync %0, 128;" ::"r"(12 + G) : "memory");
+#pragma unroll
+  for (int i = 0; i < H * HALF / 128; ++i) {
+    const int item = i * 128 + tid, r = item / HALF, c = item % HALF;
+    *reinterpret_cast<uint4*>(out + out_at + r * K + G * (KH / 2) + 8 * c) =
+        *reinterpret_cast<const uint4*>(staged + r * ROW + (c ^ (r % SW)) * 16);
+  }
+}
+"""
+
+
 def _lowered_on_disk(b: int, h: int, k: int, w: int, c: int, t: int, scale: float, tiling: Tiling):
     """`lower_cuda`, kept on disk beside the cubins: lowering takes 5-15 s per shape and tiling (key: the
     arguments, TileLang's version, this module and the build helpers)."""
@@ -1042,25 +1342,29 @@ def default_tiling(b: int, h: int, k: int, w: int, t: int) -> Tiling | None:
     """The tiling `impl="auto"` uses, or None where the kernel does not apply (then Triton runs).
 
     From the H200 sweeps (benchmarks/results/kernels_h200_attn_q_early.json, _attn_b8_b32_run1/2.json,
-    _attn_dsmem.json): the warp-specialised program with 64-key steps in 2 stages, split so that the grid
-    covers the 132 SMs about once. Splits merge in the kernel where the clusters fit the SMs in one wave:
-    two splits pushing each other's halves in f32 (b64: 23.73-23.80 us against 23.95-24.11 through
-    distributed shared memory, six alternating rounds, attn_tilings_h200_push_ab.json; that was 23.8 us
-    against 28.2 through global memory and 30.1 merged after) and, where more than 8 splits would be
-    taken, 8 merged through global memory (b8: 13.3-13.4 us against 14.0-14.6 for 10 merged after, three
-    runs; 14.7 through distributed shared memory). Clusters of 4 did not fit (b32, 4 splits merged
-    33.2-34.2 us against 21.1-21.5 merged after), so 3 to 8 splits merge after. Where the warp-specialised program does not apply, the 8-warp
-    one with the same splits, merged after.
+    _attn_dsmem.json, attn_tilings_h200_push_ab.json, _dim_pair_ab.json): the warp-specialised program with
+    64-key steps, the grid covering the 132 SMs about once. Where that takes two CTAs per row, the pair
+    splitting the head dim in 3 stages (b64: 23.04-23.30 us against 23.47-23.65 for two key splits pushing
+    each other's halves, five alternating rounds; 23.23-23.36 against 23.50-23.57 in the run before; the
+    push had been 23.73-23.80 us against 23.95-24.11 through distributed shared memory, and that 23.8 us
+    against 28.2 through global memory and 30.1 merged after), and for head dims the pair does not take
+    (not a multiple of 32) two key splits merged in the kernel through global memory.
+    Where more than 8 splits would be taken, 8 merged through global memory (b8: 13.3-13.4 us against
+    14.0-14.6 for 10 merged after, three runs; 14.7 through distributed shared memory). Clusters of 4 did
+    not fit (b32, 4 splits merged 33.2-34.2 us against 21.1-21.5 merged after), so 3 to 8 splits merge
+    after. Where the warp-specialised program does not apply, the 8-warp one with the same splits, merged
+    after.
     """
     nb = sum(_blocks(w, t, 64))
     ctas = b * max(h // HEADS, 1)
     nsplit = max(1, min(nb, round(H200_SMS / ctas)))
-    for threads in (384, 256):
-        if threads == 384 and nsplit > _MAX_CLUSTER and ctas * _MAX_CLUSTER <= H200_SMS:
-            tiling = Tiling(64, 2, threads, _MAX_CLUSTER, merge=True)
-        else:
-            pair = threads == 384 and nsplit == 2
-            tiling = Tiling(64, 2, threads, nsplit, merge=pair, push=pair and k % 64 == 0)
+    if nsplit > _MAX_CLUSTER and ctas * _MAX_CLUSTER <= H200_SMS:
+        candidates = [Tiling(64, 2, 384, _MAX_CLUSTER, merge=True)]
+    elif nsplit == 2:
+        candidates = [Tiling(64, 3, 384, 1, dim_pair=True), Tiling(64, 2, 384, 2, merge=True)]
+    else:
+        candidates = [Tiling(64, 2, 384, nsplit)]
+    for tiling in [*candidates, Tiling(64, 2, 256, nsplit)]:
         try:
             check_shapes(h, k, w, 1, t, tiling)
         except ValueError:
@@ -1094,7 +1398,7 @@ def sparse_decode_tilelang(
             return tma.launch(kern.cubin, args, results)
         return cubin.launch(kern.cubin, kern.grid, args, results)
 
-    if tiling.nsplit == 1:
+    if tiling.nsplit == 1:  # one CTA per row, or with dim_pair a cluster of two
         return launch(jax.ShapeDtypeStruct(q.shape, q.dtype))
     if tiling.push:  # nothing but the output leaves the cluster
         return launch([jax.ShapeDtypeStruct(q.shape, q.dtype)])[0]

@@ -110,6 +110,10 @@ def test_public_op_auto_is_ref_on_cpu():
         sparse_decode(*args, scale=0.3, impl="triton", tma_q=True)
     with pytest.raises(ValueError, match="tma_q must be a bool"):
         sparse_decode(*args, scale=0.3, impl="tilelang", tma_q=1)
+    with pytest.raises(ValueError, match="dim_pair is a TileLang option"):
+        sparse_decode(*args, scale=0.3, impl="triton", dim_pair=True)
+    with pytest.raises(ValueError, match="dim_pair must be a bool"):
+        sparse_decode(*args, scale=0.3, impl="tilelang", dim_pair="yes")
 
 
 def test_kernel_operands_cast_and_reject_inconsistent_shapes():

@@ -157,6 +157,54 @@ def test_lowering_tma_q_kernel():
 
 
 @needs_tilelang
+def test_lowering_dim_pair_kernel():
+    """dim_pair: grid (b, h / 64, 2), the pair one cluster, only the output as a result; CTA z reads columns
+    [256 z, 256 z + 256) of q (16 cp.async a producer thread) and of every key row (32-key blocks of half
+    rows: 8 a thread); each consumer warpgroup sends its 64 x 32 partial scores (16 floats a thread) to the
+    peer's buffer of its own and adds the peer's, on barriers armed for 8 KB (the first two uses at the
+    start, each later one after the use two before: 7 blocks here, 4 and 3); the two warpgroups take
+    alternate blocks and end in `djax_pair_end` (warpgroup 1 with its
+    thread index from 0)."""
+    src, launch = _lowered_pair((3, 128, 512, 100, 300, 77), 32, 4)
+    assert launch["name"] == "sparse_decode_pair_kernel" and launch["grid"] == (3, 2, 2)
+    assert launch["params"] == (*OPERANDS, "p6_out")
+    assert "__launch_bounds__(384, 1) __cluster_dims__(1, 1, 2) sparse_decode_pair_kernel(" in src
+    kernel = src[src.index('extern "C" __global__ void __launch') :]
+    assert "(((int)blockIdx.z) * 256)" in kernel and kernel.count("tl::cp_async_gs_conditional<16>") == 2
+    loops = re.findall(r"for \(int i\w* = 0; i\w* < (\d+); \+\+i\w*\) \{\s+tl::cp_async_gs(\w*)<16>", kernel)
+    assert loops == [("16", ""), ("8", "_conditional"), ("8", "_conditional")]  # q, then window and pool
+    assert kernel.count("arrive_and_expect_tx(8192)") == 3
+    # the re-arms: by the first thread of each warpgroup, uses 2 and 3 of warpgroup 0's 4, use 2 of 1's 3
+    assert re.search(r"\(\(\(\(int\)threadIdx.x\) == 0\) && \(i_\d+ < 2\)\)", kernel)
+    assert re.search(r"\(\(\(\(int\)threadIdx.x\) == 128\) && \(i_\d+ < 1\)\)", kernel)
+    for g, frag, tid in ((0, "s", "((int)threadIdx.x)"), (1, "s_1", "(((int)threadIdx.x) - 128)")):
+        assert f"djax_pair_end<256, 512, {g}>(" in kernel
+        assert re.search(
+            rf"djax_pair_send<16>\({frag}, .*, \(\(\(int\)blockIdx.z\) \^ 1\), {re.escape(tid)}\);", kernel
+        )
+        assert re.search(rf"djax_pair_add<16>\({frag}, .*, {re.escape(tid)}\);", kernel)
+    assert kernel.count("tl::cluster_arrive();") == 1 and kernel.count("tl::cluster_arrive_relaxed();") == 3
+    assert kernel.count("tl::cluster_wait();") == 6  # twice in each of the three roles
+    assert "st.async.shared::cluster.mbarrier::complete_tx::bytes.v4.f32" in src
+    # the per-head registers djax_pair_end reads as heads r0 and r0 + 8: TileLang's own indexing of the sinks
+    (expr,) = re.findall(r"\bm\[i_\d+\] = \(p5_sinks\[(.*)\] \*", kernel)
+    for tx in range(128):
+        for i in range(2):
+            env = {"tx": tx, "i": i, "by": 0}
+            e = re.sub(r"\bi_\d+\b", "i", expr).replace("((int)threadIdx.x)", "tx")
+            assert (
+                eval(e.replace("((int)blockIdx.y)", "by"), {}, env) == 16 * (tx // 32) + 8 * i + tx % 32 // 4
+            )
+
+
+@functools.cache
+def _lowered_pair(shape, block_s, stages):
+    from djax.kernels.sparse_attn_tilelang import Tiling, lower_cuda
+
+    return lower_cuda(*shape, 0.0625, Tiling(block_s, stages, 384, 1, dim_pair=True))
+
+
+@needs_tilelang
 def test_register_layouts_are_the_ones_push_merge_assumes():
     """djax_push_merge reads the accumulator and the per-head max and denominator by register position: an
     accumulator's register i of lane l in warp w is head 16 w + 8 ((i & 3) >> 1) + l / 4, column 8 (i >> 2) +
@@ -210,6 +258,12 @@ def test_register_layouts_are_the_ones_push_merge_assumes():
         ((8, 64, 512, 128, 2048, 512), (64, 2, 384, 2, True, False, False, True), "push_bf16 needs push"),
         ((8, 64, 512, 128, 2048, 512), (64, 2, 256, 2, False, False, False, False, True), "tma_q"),
         ((8, 64, 192, 128, 2048, 512), (64, 2, 384, 2, False, False, False, False, True), "tma_q"),
+        ((8, 64, 512, 128, 2048, 512), (64, 2, 256, 1, False, False, False, False, False, True), "dim_pair"),
+        ((8, 64, 512, 128, 2048, 512), (64, 2, 384, 2, False, False, False, False, False, True), "dim_pair"),
+        ((8, 64, 512, 128, 2048, 512), (64, 2, 384, 1, False, False, False, False, True, True), "dim_pair"),
+        ((8, 64, 80, 128, 2048, 512), (64, 2, 384, 1, False, False, False, False, False, True), "dim_pair"),
+        ((8, 64, 512, 128, 2048, 512), (64, 4, 384, 1, False, False, False, False, False, True), "shared"),
+        ((8, 64, 512, 128, 2048, 512), (32, 3, 384, 1, False, False, False, False, False, True), "dim_pair"),
     ],
 )
 def test_unsupported_shapes_raise_value_error(shape, tiling, match):
@@ -335,6 +389,27 @@ def test_tma_q_matches_ref(shape, nsplit, merge):
 
 @needs_tilelang
 @pytest.mark.gpu
+@pytest.mark.parametrize(
+    "shape,block_s,stages",
+    [
+        ((3, 128, 512, 100, 300, 77), 64, 2),  # two head groups, W and T not multiples of the block
+        ((3, 128, 512, 100, 300, 77), 64, 3),  # three stages: each ring slot serves both warpgroups
+        ((3, 128, 256, 100, 300, 77), 32, 4),  # head dim 256, 32-key blocks (7 blocks: 4 and 3)
+        ((64, 64, 512, 128, 2048, 512), 32, 8),
+        ((2, 64, 512, 60, 300, 5), 64, 2),  # one block each way
+        ((64, 64, 512, 128, 2048, 512), 64, 2),  # the benchmark's shape
+        ((64, 64, 512, 128, 2048, 512), 64, 3),
+        ((8, 64, 512, 128, 2048, 512), 64, 2),
+    ],
+)
+def test_dim_pair_matches_ref(shape, block_s, stages):
+    """The head dim split over a CTA pair, scores summed through the cluster every block."""
+    args = sparse_decode_inputs(shape[0] + block_s + stages, *shape)
+    _check(args, 512**-0.5, block_s=block_s, num_stages=stages, num_warps=12, dim_pair=True)
+
+
+@needs_tilelang
+@pytest.mark.gpu
 def test_tilelang_large_logits_and_ring_129():
     """Scores far above the sink (the sink's term underflows) and the model's ring of R + 1 = 129 slots."""
     args = list(sparse_decode_inputs(5, 4, 64, 512, 129, 1000, 512))
@@ -345,18 +420,21 @@ def test_tilelang_large_logits_and_ring_129():
     _check(args, 512**-0.5, block_s=64, num_stages=2, num_warps=12, nsplit=3, merge_splits=True)
     _check(args, 512**-0.5, block_s=64, num_stages=2, num_warps=12, nsplit=3, merge_splits="dsmem")
     _check(args, 512**-0.5, block_s=64, num_stages=2, num_warps=12, nsplit=2, merge_splits="push")
+    _check(args, 512**-0.5, block_s=64, num_stages=2, num_warps=12, dim_pair=True)
 
 
 def test_default_tiling_covers_the_sms_once_and_declines_other_heads():
     from djax.kernels.sparse_attn_tilelang import default_tiling
 
     b64, b8 = default_tiling(64, 64, 512, 128, 512), default_tiling(8, 64, 512, 128, 512)
-    assert (b64.block_s, b64.threads, b64.nsplit) == (64, 384, 2)  # warp-specialised, 128 CTAs
-    assert b64.merge and b64.push  # the two splits of a row are one cluster, each pushing the other's half
+    # warp-specialised, 128 CTAs: a pair per row splitting the head dim, 3 stages of 64 keys
+    assert (b64.block_s, b64.stages, b64.threads, b64.nsplit, b64.dim_pair) == (64, 3, 384, 1, True)
+    assert default_tiling(64, 64, 96, 128, 512).dim_pair  # any head dim that is a multiple of 32
+    gmem = default_tiling(64, 64, 80, 128, 512)  # head dim 80: two key splits merged through global memory
+    assert (gmem.nsplit, gmem.merge, gmem.push, gmem.dim_pair) == (2, True, False, False)
     assert default_tiling(128, 64, 512, 128, 512).nsplit == 1  # 128 rows fill the SMs alone
     # 10 key blocks, more splits than a portable cluster holds: 8 splits merged in the kernel, 64 CTAs
     assert b8.threads == 384 and (b8.nsplit, b8.merge, b8.dsmem) == (8, True, False)
-    assert not default_tiling(64, 64, 96, 128, 512).push  # head dim 96: not a multiple of 64
     b32 = default_tiling(32, 64, 512, 128, 512)
     assert (b32.nsplit, b32.merge) == (4, False)  # clusters of 4 did not fit one wave: merged after
     assert (default_tiling(20, 64, 512, 128, 512).nsplit, default_tiling(20, 64, 512, 128, 512).merge) == (
@@ -374,7 +452,7 @@ def test_default_tiling_covers_the_sms_once_and_declines_other_heads():
 @pytest.mark.parametrize("b", [8, 60])
 def test_auto_takes_tilelang_default_tiling(monkeypatch, b):
     """impl="auto" on the GPU: the default tiling (12 warps, split over the SMs: 8 splits merged after at
-    b 8, 2 merged by pushing at b 60) against the reference."""
+    b 8, a CTA pair per row splitting the head dim at b 60) against the reference."""
     from djax.kernels import sparse_attn_tilelang
 
     used = []
@@ -386,7 +464,7 @@ def test_auto_takes_tilelang_default_tiling(monkeypatch, b):
     out = jax.jit(lambda *a: sparse_decode(*a, scale=512**-0.5, impl="auto"))(*args)
     ref = sparse_decode_ref(*[a.astype(jnp.float32) if a.dtype == BF16 else a for a in args], 512**-0.5)
     tiling = sparse_attn_tilelang.default_tiling(b, 64, 512, 129, 300)
-    assert used == [tiling] and tiling.push == (b == 60), used
+    assert used == [tiling] and tiling.dim_pair == (b == 60), used
     assert_close(out.astype(jnp.float32), ref, 1e-2)
 
 
