@@ -248,6 +248,24 @@ def _row_table(w: int, c: int, t: int, bs: int):
     return fill_rows
 
 
+def _gather(bs: int, kh: int):
+    """A macro gathering key block `blk` into ring buffer `st` (both warp-specialised programs): columns
+    [col0, col0 + kh) of the rows the slot table names, by predicated cp.async (zero-filled for masked
+    slots, so no stale bytes reach P @ K)."""
+    import tilelang.language as T
+
+    @T.macro
+    def gather(ring, st, src, bx, blk, rows, col0):
+        for r, d in T.Parallel(bs, kh, annotations=_ASYNC):
+            ring[st, r, d] = T.if_then_else(
+                rows[blk * bs + r] >= 0,
+                src[bx, T.max(rows[blk * bs + r], 0), col0 + d],
+                T.cast(0, "bfloat16"),
+            )
+
+    return gather
+
+
 def _softmax_step(bs: int, qk: float):
     """A macro for one key block's online-softmax update in base 2 (both programs): masks S by the slot
     table from slot `first_slot`, then updates the running max m, the rescale factor alpha and the
@@ -399,6 +417,7 @@ def cuda_program(b: int, h: int, k: int, w: int, c: int, t: int, scale: float, t
     nb = nbw + nbt
     qk = float(scale) * _LOG2E  # softmax in base 2
     fill_rows, softmax_step, reciprocal = _row_table(w, c, t, bs), _softmax_step(bs, qk), _reciprocal()
+    gather = _gather(bs, k)
     bf16, f32, i32 = "bfloat16", "float32", "int32"
     policy = T.GemmWarpPolicy.FullCol  # warpgroups split the columns: M is one wgmma tile of 64 heads
 
@@ -406,15 +425,9 @@ def cuda_program(b: int, h: int, k: int, w: int, c: int, t: int, scale: float, t
     def issue(bx, rows, k_s, blk, st, win, pool):
         """cp.async of key block `blk` into ring stage `st`; masked slots are zero-filled, not read."""
         if blk < nbw:
-            for r, d in T.Parallel(bs, k, annotations=_ASYNC):
-                k_s[st, r, d] = T.if_then_else(
-                    rows[blk * bs + r] >= 0, win[bx, T.max(rows[blk * bs + r], 0), d], T.cast(0, bf16)
-                )
+            gather(k_s, st, win, bx, blk, rows, 0)
         else:
-            for r, d in T.Parallel(bs, k, annotations=_ASYNC):
-                k_s[st, r, d] = T.if_then_else(
-                    rows[blk * bs + r] >= 0, pool[bx, T.max(rows[blk * bs + r], 0), d], T.cast(0, bf16)
-                )
+            gather(k_s, st, pool, bx, blk, rows, 0)
 
     @T.macro
     def attend(bx, by, lo, n, first, q, win, valid, pool, topk, sinks):
@@ -513,6 +526,7 @@ def ws_program(b: int, h: int, k: int, w: int, c: int, t: int, scale: float, til
     kh = k // 2
     qk = float(scale) * _LOG2E
     fill_rows, softmax_step, reciprocal = _row_table(w, c, t, bs), _softmax_step(bs, qk), _reciprocal()
+    gather = _gather(bs, kh)
     bf16, f32, i32 = "bfloat16", "float32", "int32"
 
     merge, dsmem, push, tma_q = tiling.merge, tiling.dsmem, tiling.push, tiling.tma_q
@@ -689,29 +703,11 @@ def ws_program(b: int, h: int, k: int, w: int, c: int, t: int, scale: float, til
                 T.barrier_wait(free[st], ((g // ns) & 1) ^ 1)
                 blk = lo + g
                 if blk < nbw:
-                    for r, d in T.Parallel(bs, kh, annotations=_ASYNC):
-                        k_l[st, r, d] = T.if_then_else(
-                            rows[blk * bs + r] >= 0, win[bx, T.max(rows[blk * bs + r], 0), d], T.cast(0, bf16)
-                        )
-                    for r, d in T.Parallel(bs, kh, annotations=_ASYNC):
-                        k_r[st, r, d] = T.if_then_else(
-                            rows[blk * bs + r] >= 0,
-                            win[bx, T.max(rows[blk * bs + r], 0), kh + d],
-                            T.cast(0, bf16),
-                        )
+                    gather(k_l, st, win, bx, blk, rows, 0)
+                    gather(k_r, st, win, bx, blk, rows, kh)
                 else:
-                    for r, d in T.Parallel(bs, kh, annotations=_ASYNC):
-                        k_l[st, r, d] = T.if_then_else(
-                            rows[blk * bs + r] >= 0,
-                            pool[bx, T.max(rows[blk * bs + r], 0), d],
-                            T.cast(0, bf16),
-                        )
-                    for r, d in T.Parallel(bs, kh, annotations=_ASYNC):
-                        k_r[st, r, d] = T.if_then_else(
-                            rows[blk * bs + r] >= 0,
-                            pool[bx, T.max(rows[blk * bs + r], 0), kh + d],
-                            T.cast(0, bf16),
-                        )
+                    gather(k_l, st, pool, bx, blk, rows, 0)
+                    gather(k_r, st, pool, bx, blk, rows, kh)
                 T.cp_async_barrier_noinc(ready[st])
             if push:
                 T.cluster_wait()
@@ -862,16 +858,9 @@ def pair_program(b: int, h: int, k: int, w: int, c: int, t: int, scale: float, t
     nb = nbw + nbt
     kh, hg = k // 2, h // HEADS
     qk = float(scale) * _LOG2E
-    fill_rows, softmax_step = _row_table(w, c, t, bs), _softmax_step(bs, qk)
+    fill_rows, softmax_step, gather = _row_table(w, c, t, bs), _softmax_step(bs, qk), _gather(bs, kh)
     bf16, f32, i32, i8 = "bfloat16", "float32", "int32", "int8"
     xbytes = HEADS * bs * 4  # one warpgroup's partial scores of one block
-
-    @T.macro
-    def gather(ring, st, src, bx, blk, rows, bz):
-        for r, d in T.Parallel(bs, kh, annotations=_ASYNC):
-            ring[st, r, d] = T.if_then_else(
-                rows[blk * bs + r] >= 0, src[bx, T.max(rows[blk * bs + r], 0), bz * kh + d], T.cast(0, bf16)
-            )
 
     @T.macro
     def consumer(g0, tid, bx, by, bz, sinks, out, shared, bars, p_s, state):
@@ -988,9 +977,9 @@ def pair_program(b: int, h: int, k: int, w: int, c: int, t: int, scale: float, t
                     st = g % ns
                     T.barrier_wait(free[st], ((g // ns) & 1) ^ 1)
                     if g < nbw:
-                        gather(k_s, st, p1_window, bx, g, rows, bz)
+                        gather(k_s, st, p1_window, bx, g, rows, bz * kh)
                     else:
-                        gather(k_s, st, p3_pool, bx, g, rows, bz)
+                        gather(k_s, st, p3_pool, bx, g, rows, bz * kh)
                     T.cp_async_barrier_noinc(ready[st])
                 T.cluster_wait()
                 T.cluster_arrive_relaxed()
