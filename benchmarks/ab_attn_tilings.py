@@ -1,6 +1,6 @@
 """TileLang sparse decode tilings side by side, in alternating rounds, so that drift within a run shows.
 
-python benchmarks/ab_attn_tilings.py [--batches 64] [--variants dsmem,push] [--rounds 5] [--out DIR]
+python benchmarks/ab_attn_tilings.py [--batches 64] [--variants push,pair3] [--rounds 5] [--out DIR]
 (CUDA GPU, tilelang importable; `--build` lowers and compiles only, no GPU needed.)
 Per batch size, at `bench_kernels.py`'s shape (64 heads x 512, ring of 128, top 512 of 2,048 pool rows): "auto"
 (the default tiling) and every chosen variant of `VARIANTS`, each checked against the reference first (a wrong
@@ -64,7 +64,7 @@ def plot(result: dict, path: str) -> None:
 def main():
     p = argparse.ArgumentParser()
     p.add_argument("--batches", default="64")
-    p.add_argument("--variants", default="dsmem,push", help=f"comma list of {', '.join(VARIANTS)}")
+    p.add_argument("--variants", default="push,pair3", help=f"comma list of {', '.join(VARIANTS)}")
     p.add_argument("--rounds", type=int, default=5)
     p.add_argument("--out", default=os.environ.get("OUT", "/tmp"))
     p.add_argument("--build", action="store_true", help="lower and compile only")
