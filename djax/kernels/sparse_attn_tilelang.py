@@ -985,6 +985,8 @@ def pair_program(b: int, h: int, k: int, w: int, c: int, t: int, scale: float, t
                 T.cluster_arrive_relaxed()
                 T.cluster_wait()
             elif tx < 128:
+                # 2 x 208 + 80 registers a thread is all that a launch at 168 holds: setmaxnreg only hands
+                # the consumers what the producer gives back, and asking for more hangs the CTA
                 T.set_max_nreg(208, 1)
                 state = (s0, acc0, m0, mp0, l0, rs0, al0)
                 consumer(0, tx, bx, by, bz, p5_sinks, p6_out, shared, bars, p0_s, state)
