@@ -862,10 +862,18 @@ def pair_program(b: int, h: int, k: int, w: int, c: int, t: int, scale: float, t
     bf16, f32, i32, i8 = "bfloat16", "float32", "int32", "int8"
     xbytes = HEADS * bs * 4  # one warpgroup's partial scores of one block
 
+    def softmax_state():
+        """One consumer warpgroup's fragments: scores, accumulator, max, previous max, denominator, row sums,
+        rescale factors (each warpgroup its own, since the two take different threads' registers)."""
+        s = T.alloc_fragment((HEADS, bs), f32)
+        acc = T.alloc_fragment((HEADS, kh), f32)
+        m, m_prev, l, rsum, alpha = (T.alloc_fragment((HEADS,), f32) for _ in range(5))
+        return s, acc, m, m_prev, l, rsum, alpha
+
     @T.macro
     def consumer(g0, tid, bx, by, bz, sinks, out, shared, bars, p_s, state):
         """Consumer warpgroup g0 (0 or 1, `tid` its thread in [0, 128)) over key blocks g0, g0 + 2, ...; `state`:
-        its fragments (scores, accumulator, max, previous max, denominator, row sums, rescale factors)."""
+        its `softmax_state`."""
         q_s, k_s, xs, ml, rows = shared
         ready, free, xbar = bars
         s, acc, m, m_prev, l, rsum, alpha = state
@@ -940,20 +948,7 @@ def pair_program(b: int, h: int, k: int, w: int, c: int, t: int, scale: float, t
             xs = T.alloc_shared((_pair_exchange_floats(k, bs),), f32)
             ml = T.alloc_shared((4 * HEADS,), f32, scope="shared")
             rows = T.alloc_shared((nb * bs,), i32, scope="shared")
-            s0 = T.alloc_fragment((HEADS, bs), f32)
-            s1 = T.alloc_fragment((HEADS, bs), f32)
-            acc0 = T.alloc_fragment((HEADS, kh), f32)
-            acc1 = T.alloc_fragment((HEADS, kh), f32)
-            m0 = T.alloc_fragment((HEADS,), f32)
-            m1 = T.alloc_fragment((HEADS,), f32)
-            mp0 = T.alloc_fragment((HEADS,), f32)
-            mp1 = T.alloc_fragment((HEADS,), f32)
-            l0 = T.alloc_fragment((HEADS,), f32)
-            l1 = T.alloc_fragment((HEADS,), f32)
-            rs0 = T.alloc_fragment((HEADS,), f32)
-            rs1 = T.alloc_fragment((HEADS,), f32)
-            al0 = T.alloc_fragment((HEADS,), f32)
-            al1 = T.alloc_fragment((HEADS,), f32)
+            state0, state1 = softmax_state(), softmax_state()
             ready = T.alloc_barrier([128] * ns)  # the producer's 128 threads, one cp.async arrive each
             free = T.alloc_barrier([128] * ns)  # the warpgroup that took the block
             xbar = T.alloc_barrier([1] * 4)  # the peer's scores landed: [warpgroup][use parity]
@@ -988,12 +983,10 @@ def pair_program(b: int, h: int, k: int, w: int, c: int, t: int, scale: float, t
                 # 2 x 208 + 80 registers a thread is all that a launch at 168 holds: setmaxnreg only hands
                 # the consumers what the producer gives back, and asking for more hangs the CTA
                 T.set_max_nreg(208, 1)
-                state = (s0, acc0, m0, mp0, l0, rs0, al0)
-                consumer(0, tx, bx, by, bz, p5_sinks, p6_out, shared, bars, p0_s, state)
+                consumer(0, tx, bx, by, bz, p5_sinks, p6_out, shared, bars, p0_s, state0)
             else:
                 T.set_max_nreg(208, 1)
-                state = (s1, acc1, m1, mp1, l1, rs1, al1)
-                consumer(1, tx - 128, bx, by, bz, p5_sinks, p6_out, shared, bars, p1_s, state)
+                consumer(1, tx - 128, bx, by, bz, p5_sinks, p6_out, shared, bars, p1_s, state1)
 
     return sparse_decode_pair
 
