@@ -1013,9 +1013,11 @@ def lower_cuda(
     if tiling.dsmem:
         source = with_device_code(source, _DSMEM_MERGE)
     if tiling.push:
-        source = with_device_code(source, PEER_ADDRESS + _PUSH_MERGE)
+        source = with_device_code(source, PEER_ADDRESS + _STAGE_STORE + _PUSH_MERGE)
     if tiling.dim_pair:
-        source = with_device_code(with_cluster(source, launch["name"], (1, 1, 2)), PEER_ADDRESS + _PAIR)
+        source = with_device_code(
+            with_cluster(source, launch["name"], (1, 1, 2)), PEER_ADDRESS + _STAGE_STORE + _PAIR
+        )
     return source, launch
 
 
@@ -1076,6 +1078,41 @@ __device__ __forceinline__ void djax_dsmem_merge(const bfloat16_t* out_ro, int o
         *reinterpret_cast<uint2*>(out + out_at + hh * K + g * 4) = *reinterpret_cast<const uint2*>(o);
       }
     }
+  }
+}
+"""
+
+
+# Both cross-warpgroup ends' store (`_PUSH_MERGE`, `_PAIR`), as CUDA put into the lowered source ahead of them:
+# NS quads (8 columns each) of heads r0 = 16 w + l / 4 and r0 + 8 a thread, each the weighted sum
+# mine own + theirs other per head, staged as bf16 rows of 16 NS bytes (16-byte chunk c of head r at chunk
+# c ^ (r mod SW): a warp's 8 heads x 4 lanes write distinct banks), then stored 16 bytes a thread, a warp
+# writing whole rows (straight from the wgmma layout every store instruction would write 16 bytes into each
+# of 8 rows). `out` points at row 0 of the columns stored; rows are K elements apart. `bar`: the named
+# barrier of the 128 threads that stage and store.
+_STAGE_STORE = r"""
+template <int NS, int K, typename Theirs>
+__device__ __forceinline__ void djax_stage_store(bfloat16_t* out, const float* mine, Theirs theirs, const float* own,
+                                                 const float* other, char* staged, int bar, int tid) {
+  constexpr int SW = NS < 8 ? NS : 8, ROW = 16 * NS;
+  const int lane = tid % 32, r0 = 16 * (tid / 32) + lane / 4;
+#pragma unroll
+  for (int j = 0; j < NS; ++j) {
+    const float4 v = theirs(j);
+    bfloat16_t top[2] = {bfloat16_t(mine[4 * j] * own[0] + v.x * other[0]),
+                         bfloat16_t(mine[4 * j + 1] * own[0] + v.y * other[0])};
+    bfloat16_t bottom[2] = {bfloat16_t(mine[4 * j + 2] * own[1] + v.z * other[1]),
+                            bfloat16_t(mine[4 * j + 3] * own[1] + v.w * other[1])};
+    const int at = ((j ^ (r0 % SW)) * 16) + 4 * (lane % 4);  // heads r0 and r0 + 8 share the swizzle
+    *reinterpret_cast<uint32_t*>(staged + r0 * ROW + at) = *reinterpret_cast<const uint32_t*>(top);
+    *reinterpret_cast<uint32_t*>(staged + (r0 + 8) * ROW + at) = *reinterpret_cast<const uint32_t*>(bottom);
+  }
+  asm volatile("bar.sync %0, 128;" ::"r"(bar) : "memory");
+#pragma unroll
+  for (int i = 0; i < 64 * NS / 128; ++i) {
+    const int item = i * 128 + tid, r = item / NS, c = item % NS;
+    *reinterpret_cast<uint4*>(out + r * K + 8 * c) =
+        *reinterpret_cast<const uint4*>(staged + r * ROW + (c ^ (r % SW)) * 16);
   }
 }
 """
@@ -1172,36 +1209,14 @@ __device__ __forceinline__ void djax_push_merge(const bfloat16_t* out_ro, int ou
     own[h] = a * inv;
     other[h] = b * inv;
   }
-  // bf16 rows staged in `stage` (16-byte chunk c of head r at chunk c ^ (r mod SW): a warp's 8 heads x 4 lanes
-  // write distinct banks), then stored half a head row (KH columns) per warp instruction: straight from the
-  // wgmma layout every store instruction would write 16 bytes into each of 8 rows
-  constexpr int SW = NQ < 8 ? NQ : 8, ROW = 2 * KH;  // bytes of a staged row
-  char* staged = static_cast<char*>(stage);
-#pragma unroll
-  for (int q = 0; q < NQ; ++q) {
-    float4 v;
+  djax_stage_store<NQ, K>(out + out_at + G * KH, acc, [&](int q) {
     if (BF16) {  // this quad's half of the pair
       const uint2 pair = reinterpret_cast<const uint2*>(slot(q))[q % 2];
       const bfloat16_t* h = reinterpret_cast<const bfloat16_t*>(&pair);
-      v = make_float4(float(h[0]), float(h[1]), float(h[2]), float(h[3]));
-    } else {
-      v = *reinterpret_cast<const float4*>(slot(q));
+      return make_float4(float(h[0]), float(h[1]), float(h[2]), float(h[3]));
     }
-    bfloat16_t top[2] = {bfloat16_t(acc[4 * q] * own[0] + v.x * other[0]),
-                         bfloat16_t(acc[4 * q + 1] * own[0] + v.y * other[0])};
-    bfloat16_t bottom[2] = {bfloat16_t(acc[4 * q + 2] * own[1] + v.z * other[1]),
-                            bfloat16_t(acc[4 * q + 3] * own[1] + v.w * other[1])};
-    const int at = ((q ^ (r0 % SW)) * 16) + 4 * (lane % 4);  // heads r0 and r0 + 8 share the swizzle
-    *reinterpret_cast<uint32_t*>(staged + r0 * ROW + at) = *reinterpret_cast<const uint32_t*>(top);
-    *reinterpret_cast<uint32_t*>(staged + (r0 + 8) * ROW + at) = *reinterpret_cast<const uint32_t*>(bottom);
-  }
-  asm volatile("bar.sync %0, 128;" ::"r"(12 + G) : "memory");
-#pragma unroll
-  for (int i = 0; i < 64 * NQ / 128; ++i) {
-    const int item = i * 128 + tid, r = item / NQ, c = item % NQ;
-    *reinterpret_cast<uint4*>(out + out_at + r * K + G * KH + 8 * c) =
-        *reinterpret_cast<const uint4*>(staged + r * ROW + (c ^ (r % SW)) * 16);
-  }
+    return *reinterpret_cast<const float4*>(slot(q));
+  }, own, other, static_cast<char*>(stage), 12 + G, tid);
 }
 """
 
@@ -1245,7 +1260,7 @@ __device__ __forceinline__ void djax_pair_end(const bfloat16_t* out_ro, int out_
                                               const float* l, void* swap, float* ml, void* stage, int tid) {
   // TileLang declares the output const: this function is the only writer it does not see
   bfloat16_t* out = const_cast<bfloat16_t*>(out_ro);
-  constexpr int H = 64, NQ = KH / 8, HALF = NQ / 2, SW = HALF < 8 ? HALF : 8, ROW = KH;  // ROW: bytes a head
+  constexpr int H = 64, NQ = KH / 8, HALF = NQ / 2;
   const int w = tid / 32, lane = tid % 32, r0 = 16 * w + lane / 4;
   float4* x = reinterpret_cast<float4*>(swap);
   // both warpgroups past their loops: the key ring (`swap`) is free and no scores land in `stage` any more
@@ -1272,28 +1287,10 @@ __device__ __forceinline__ void djax_pair_end(const bfloat16_t* out_ro, int out_
     own[h] = a * inv;
     other[h] = b * inv;
   }
-  // bf16 rows of this warpgroup's KH / 2 columns staged in the exchange buffer (16-byte chunk c of head r at
-  // chunk c ^ (r mod SW)), then stored 16 bytes a thread, a warp writing whole rows
-  char* staged = static_cast<char*>(stage) + G * H * ROW;
-#pragma unroll
-  for (int j = 0; j < HALF; ++j) {
-    const int q = G * HALF + j;
-    const float4 v = x[((1 - G) * HALF + j) * 128 + tid];
-    bfloat16_t top[2] = {bfloat16_t(acc[4 * q] * own[0] + v.x * other[0]),
-                         bfloat16_t(acc[4 * q + 1] * own[0] + v.y * other[0])};
-    bfloat16_t bottom[2] = {bfloat16_t(acc[4 * q + 2] * own[1] + v.z * other[1]),
-                            bfloat16_t(acc[4 * q + 3] * own[1] + v.w * other[1])};
-    const int at = ((j ^ (r0 % SW)) * 16) + 4 * (lane % 4);  // heads r0 and r0 + 8 share the swizzle
-    *reinterpret_cast<uint32_t*>(staged + r0 * ROW + at) = *reinterpret_cast<const uint32_t*>(top);
-    *reinterpret_cast<uint32_t*>(staged + (r0 + 8) * ROW + at) = *reinterpret_cast<const uint32_t*>(bottom);
-  }
-  asm volatile("bar.sync %0, 128;" ::"r"(12 + G) : "memory");
-#pragma unroll
-  for (int i = 0; i < H * HALF / 128; ++i) {
-    const int item = i * 128 + tid, r = item / HALF, c = item % HALF;
-    *reinterpret_cast<uint4*>(out + out_at + r * K + G * (KH / 2) + 8 * c) =
-        *reinterpret_cast<const uint4*>(staged + r * ROW + (c ^ (r % SW)) * 16);
-  }
+  // bf16 rows of this warpgroup's KH / 2 columns, staged in its half of the exchange buffer
+  djax_stage_store<HALF, K>(out + out_at + G * (KH / 2), acc + 4 * G * HALF, [&](int j) {
+    return x[((1 - G) * HALF + j) * 128 + tid];
+  }, own, other, static_cast<char*>(stage) + G * H * KH, 12 + G, tid);
 }
 """
 
