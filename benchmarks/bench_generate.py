@@ -824,11 +824,18 @@ def main() -> int:
         "an FP8 checkpoint loads them; decode with kernels then runs them through fp8_gemm and the FP8 "
         "grouped GEMM. HF parts are skipped",
     )
+    ap.add_argument(
+        "--decode-batches",
+        default=None,
+        help="comma list of batch sizes for the decode parts (default: the workload's, 1,32,128 full size)",
+    )
     args = ap.parse_args()
     parts = set(args.parts.split(","))
     if args.fp8:
         parts -= {"check", "hf", "hfvariants"}  # HF would hold these weights in bf16: not the same model
-    w = TINY if args.tiny else FULL
+    w = dict(TINY if args.tiny else FULL)
+    if args.decode_batches:
+        w["decode_batches"] = [int(b) for b in args.decode_batches.split(",")]
     cfg = make_config(args.tiny)
     out_dir = Path(args.out)
     out_dir.mkdir(parents=True, exist_ok=True)
