@@ -309,6 +309,23 @@ def _split_range(bz, nb: int, nsplit: int):
     return lo, (bz + 1) * nb // nsplit - lo
 
 
+def _operand_types(T, b: int, h: int, k: int, w: int, c: int, t: int, nsplit: int = 1) -> tuple:
+    """The TileLang parameter types of `_OPERANDS` and the results (every entry point spells its own
+    signature): q, window, valid, pool, topk, sinks, out, and with splits the f32 partials and their lse."""
+    bf16, f32 = "bfloat16", "float32"
+    return (
+        T.Tensor((b, h, k), bf16),
+        T.Tensor((b, w, k), bf16),
+        T.Tensor((b, w), "int8"),
+        T.Tensor((b, c, k), bf16),
+        T.Tensor((b, t), "int32"),
+        T.Tensor((h,), f32),
+        T.Tensor((b, h, k), bf16),
+        T.Tensor((b, nsplit, h, k), f32),
+        T.Tensor((b, nsplit, h), f32),
+    )
+
+
 def _entry(
     b: int,
     h: int,
@@ -331,18 +348,20 @@ def _entry(
     import tilelang.language as T
 
     hg = h // HEADS
-    bf16, f32, i32, i8 = "bfloat16", "float32", "int32", "int8"
+    Q_t, Win_t, Valid_t, Pool_t, Topk_t, Sinks_t, Out_t, Part_t, Lse_t = _operand_types(
+        T, b, h, k, w, c, t, nsplit
+    )
     if nsplit == 1:
 
         @T.prim_func
         def sparse_decode(
-            p0_q: T.Tensor((b, h, k), bf16),
-            p1_window: T.Tensor((b, w, k), bf16),
-            p2_valid: T.Tensor((b, w), i8),
-            p3_pool: T.Tensor((b, c, k), bf16),
-            p4_topk: T.Tensor((b, t), i32),
-            p5_sinks: T.Tensor((h,), f32),
-            p6_out: T.Tensor((b, h, k), bf16),
+            p0_q: Q_t,
+            p1_window: Win_t,
+            p2_valid: Valid_t,
+            p3_pool: Pool_t,
+            p4_topk: Topk_t,
+            p5_sinks: Sinks_t,
+            p6_out: Out_t,
         ):
             with T.Kernel(b, hg, threads=threads) as (bx, by):
                 plain(bx, by, p0_q, p1_window, p2_valid, p3_pool, p4_topk, p5_sinks, p6_out)
@@ -353,15 +372,15 @@ def _entry(
 
         @T.prim_func
         def sparse_decode_merged(
-            p0_q: T.Tensor((b, h, k), bf16),
-            p1_window: T.Tensor((b, w, k), bf16),
-            p2_valid: T.Tensor((b, w), i8),
-            p3_pool: T.Tensor((b, c, k), bf16),
-            p4_topk: T.Tensor((b, t), i32),
-            p5_sinks: T.Tensor((h,), f32),
-            p6_out: T.Tensor((b, h, k), bf16),
-            p7_part: T.Tensor((b, nsplit, h, k), f32),
-            p8_lse: T.Tensor((b, nsplit, h), f32),
+            p0_q: Q_t,
+            p1_window: Win_t,
+            p2_valid: Valid_t,
+            p3_pool: Pool_t,
+            p4_topk: Topk_t,
+            p5_sinks: Sinks_t,
+            p6_out: Out_t,
+            p7_part: Part_t,
+            p8_lse: Lse_t,
         ):
             with T.Kernel(b, hg, nsplit, threads=threads) as (bx, by, bz):
                 lo, n = _split_range(bz, nb, nsplit)
@@ -386,14 +405,14 @@ def _entry(
 
     @T.prim_func
     def sparse_decode_split(
-        p0_q: T.Tensor((b, h, k), bf16),
-        p1_window: T.Tensor((b, w, k), bf16),
-        p2_valid: T.Tensor((b, w), i8),
-        p3_pool: T.Tensor((b, c, k), bf16),
-        p4_topk: T.Tensor((b, t), i32),
-        p5_sinks: T.Tensor((h,), f32),
-        p6_part: T.Tensor((b, nsplit, h, k), f32),
-        p7_lse: T.Tensor((b, nsplit, h), f32),
+        p0_q: Q_t,
+        p1_window: Win_t,
+        p2_valid: Valid_t,
+        p3_pool: Pool_t,
+        p4_topk: Topk_t,
+        p5_sinks: Sinks_t,
+        p6_part: Part_t,
+        p7_lse: Lse_t,
     ):
         with T.Kernel(b, hg, nsplit, threads=threads) as (bx, by, bz):
             lo, n = _split_range(bz, nb, nsplit)
@@ -859,7 +878,8 @@ def pair_program(b: int, h: int, k: int, w: int, c: int, t: int, scale: float, t
     kh, hg = k // 2, h // HEADS
     qk = float(scale) * _LOG2E
     fill_rows, softmax_step, gather = _row_table(w, c, t, bs), _softmax_step(bs, qk), _gather(bs, kh)
-    bf16, f32, i32, i8 = "bfloat16", "float32", "int32", "int8"
+    bf16, f32, i32 = "bfloat16", "float32", "int32"
+    Q_t, Win_t, Valid_t, Pool_t, Topk_t, Sinks_t, Out_t, *_ = _operand_types(T, b, h, k, w, c, t)
     xbytes = HEADS * bs * 4  # one warpgroup's partial scores of one block
 
     def softmax_state():
@@ -932,13 +952,13 @@ def pair_program(b: int, h: int, k: int, w: int, c: int, t: int, scale: float, t
 
     @T.prim_func
     def sparse_decode_pair(
-        p0_q: T.Tensor((b, h, k), bf16),
-        p1_window: T.Tensor((b, w, k), bf16),
-        p2_valid: T.Tensor((b, w), i8),
-        p3_pool: T.Tensor((b, c, k), bf16),
-        p4_topk: T.Tensor((b, t), i32),
-        p5_sinks: T.Tensor((h,), f32),
-        p6_out: T.Tensor((b, h, k), bf16),
+        p0_q: Q_t,
+        p1_window: Win_t,
+        p2_valid: Valid_t,
+        p3_pool: Pool_t,
+        p4_topk: Topk_t,
+        p5_sinks: Sinks_t,
+        p6_out: Out_t,
     ):
         with T.Kernel(b, hg, 2, threads=384) as (bx, by, bz):
             q_s = T.alloc_shared((HEADS, kh), bf16)
