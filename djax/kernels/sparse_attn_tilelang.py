@@ -20,7 +20,8 @@ through mbarriers, no CTA-wide barriers in the loop), the default where it appli
 (`Tiling.dim_pair`) is its form for two CTAs per row that split the head dim instead of the keys (the default
 where the grid takes two CTAs per row). None uses TMA by default, so the kernel's parameters stay the plain
 device pointers that `djax/ffi/csrc/cubin_launch.cc` passes (operands in call order, then results); with
-`Tiling.tma_q` q's parameter is a tensor map and the kernel goes through `djax.ffi.tma`'s launcher. Compiling needs TileLang 0.1.15 and nvcc, not a GPU.
+`Tiling.tma_q` q's parameter is a tensor map and the kernel goes through `djax.ffi.tma`'s launcher.
+Compiling needs TileLang 0.1.15 and nvcc, not a GPU.
 """
 
 import functools
@@ -1103,7 +1104,8 @@ __device__ __forceinline__ void djax_dsmem_merge(const bfloat16_t* out_ro, int o
 """
 
 
-# Both cross-warpgroup ends' store (`_PUSH_MERGE`, `_PAIR`), as CUDA put into the lowered source ahead of them:
+# Both cross-warpgroup ends' store (`_PUSH_MERGE`, `_PAIR`), as CUDA put into the lowered source ahead of
+# them:
 # NS quads (8 columns each) of heads r0 = 16 w + l / 4 and r0 + 8 a thread, each the weighted sum
 # mine own + theirs other per head, staged as bf16 rows of 16 NS bytes (16-byte chunk c of head r at chunk
 # c ^ (r mod SW): a warp's 8 heads x 4 lanes write distinct banks), then stored 16 bytes a thread, a warp
@@ -1249,8 +1251,9 @@ __device__ __forceinline__ void djax_push_merge(const bfloat16_t* out_ro, int ou
 # l in warp w holds head 16 w + 8 ((i & 3) >> 1) + l / 4, column 8 (i >> 2) + 2 (l & 3) + (i & 1) of the CTA's
 # KH (checked by a CPU test against TileLang's own indexing); warpgroup G stores the columns of quads
 # [G NQ/2, (G + 1) NQ/2) after taking the other warpgroup's values for them through the finished key ring
-# (`swap`: same thread, same positions) and both running maxes and denominators through `ml`: out = (acc_0 e^{m_0 - M} + acc_1
-# e^{m_1 - M}) / (l_0 e^{m_0 - M} + l_1 e^{m_1 - M}), M = max(m_0, m_1), in base 2.
+# (`swap`: same thread, same positions) and both running maxes and denominators through `ml`:
+# out = (acc_0 e^{m_0 - M} + acc_1 e^{m_1 - M}) / (l_0 e^{m_0 - M} + l_1 e^{m_1 - M}), M = max(m_0, m_1),
+# in base 2.
 _PAIR = r"""
 template <int NF>
 __device__ __forceinline__ void djax_pair_send(const float* s, void* xs, Barrier& bar, int x, int peer, int tid) {
