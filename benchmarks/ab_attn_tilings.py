@@ -1,4 +1,5 @@
-"""TileLang sparse decode tilings side by side, in alternating rounds, so that drift within a run shows.
+"""Sparse decode attention tilings (TileLang's, and the register-operand CUDA kernel "rs") side by side, in
+alternating rounds, so that drift within a run shows.
 
 python benchmarks/ab_attn_tilings.py [--batches 64] [--variants push,pair3] [--rounds 5] [--out DIR]
 (CUDA GPU, tilelang importable; `--build` lowers and compiles only, no GPU needed.)
@@ -42,6 +43,7 @@ VARIANTS = {  # name -> sparse_decode's tiling arguments (on top of WS)
     "pair3": dict(nsplit=1, num_stages=3, dim_pair=True),
     "pair32_6": dict(nsplit=1, block_s=32, num_stages=6, dim_pair=True),  # 32-key blocks: more in flight
     "pair32_8": dict(nsplit=1, block_s=32, num_stages=8, dim_pair=True),
+    "rs": dict(impl="rs"),  # the CUDA kernel with the keys as wgmma's register operand (no tiling)
 }
 
 
@@ -57,7 +59,7 @@ def plot(result: dict, path: str) -> None:
         )
         for row in result["rows"]
     ]
-    suptitle = f"TileLang sparse decode tilings, {result['device']}, {result['date'][:10]}"
+    suptitle = f"Sparse decode tilings, {result['device']}, {result['date'][:10]}"
     plot_rounds(panels, "auto", 0.7, suptitle, path)
 
 
@@ -77,6 +79,12 @@ def main():
 
         for b in batches:
             for name, kw in chosen.items():
+                if kw["impl"] == "rs":
+                    from djax.kernels.sparse_attn_rs import cuda_kernel as rs_kernel
+
+                    rs_kernel(H, W, C, T, SCALE)
+                    print("built", name, b, flush=True)
+                    continue
                 merge = kw.get("merge_splits", False)
                 tiling = tilelang_tiling(
                     kw["block_s"],

@@ -1,4 +1,5 @@
-"""Public sparse decode attention op for DeepSeek-V4: `sparse_decode(..., impl="auto"|"ref"|"triton"|"tilelang")`."""
+"""Public sparse decode attention op for DeepSeek-V4:
+`sparse_decode(..., impl="auto"|"ref"|"triton"|"tilelang"|"rs")`."""
 
 from __future__ import annotations
 
@@ -59,6 +60,10 @@ def sparse_decode(
     multiple of 128): q comes in by TMA rather than by the producer's cp.async. `dim_pair` (12 warps, no
     splits): two CTAs per row (and 64 heads), one cluster, each taking half of the head dim over all of the
     row's keys and adding the other's partial scores every key block; no merge after the loop.
+    impl="rs" (sm_90a; q bf16, head dim 512, h a multiple of 64): the CUDA kernel with the keys as wgmma's
+    register operand (`sparse_attn_rs`): half key rows by bulk copy, a CTA pair splitting the head dim as
+    `dim_pair` does; the tiling arguments do not apply to it. An option, not taken by "auto": slower than
+    the TileLang default at b64 on the H200 (30.6-30.9 us against 22.9-23.1, NOTES.md).
     Unsupported shapes raise ValueError.
     """
     shapes.sparse_decode(q, window, window_valid, pool, topk, sinks)
@@ -77,15 +82,17 @@ def sparse_decode(
     for name, flag in (("tma_q", tma_q), ("dim_pair", dim_pair)):
         if not isinstance(flag, bool):
             raise ValueError(f"{name} must be a bool, got {flag!r}")
-    impl = resolve(impl, ("ref", "triton", "tilelang"))
-    if merge_splits and impl == "triton":
-        raise ValueError("merge_splits is a TileLang option: the Triton kernel merges its splits after")
-    if tma_q and impl == "triton":
-        raise ValueError("tma_q is a TileLang option: the Triton kernel loads q itself")
-    if dim_pair and impl == "triton":
-        raise ValueError("dim_pair is a TileLang option: the Triton kernel takes the whole head dim")
+    impl = resolve(impl, ("ref", "triton", "tilelang", "rs"))
+    other = {"triton": "the Triton kernel", "rs": "the register-operand kernel"}.get(impl)
+    for name, flag in (("merge_splits", merge_splits), ("tma_q", tma_q), ("dim_pair", dim_pair)):
+        if flag and other:
+            raise ValueError(f"{name} is a TileLang option, which {other} does not take")
     if impl == "ref":
         return sparse_decode_ref(q, window, window_valid, pool, topk, sinks, scale)
+    if impl == "rs":
+        from djax.kernels.sparse_attn_rs import sparse_decode_rs
+
+        return sparse_decode_rs(q, window, window_valid, pool, topk, sinks, scale)
     if impl == "tilelang":
         from djax.kernels.sparse_attn_tilelang import sparse_decode_tilelang
 

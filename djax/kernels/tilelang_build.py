@@ -120,32 +120,35 @@ def _nvcc_version(nvcc: str) -> str:
     return subprocess.run([nvcc, "--version"], capture_output=True, text=True).stdout
 
 
-def nvcc_cubin(source: str) -> bytes:
-    """Compiles TileLang's CUDA source to an sm_90a cubin, cached on disk by source, compiler and TileLang
-    version (its headers are the version's). TileLang itself is imported only to compile: that takes seconds."""
+def nvcc_cubin(source: str, tilelang_headers: bool = True) -> bytes:
+    """Compiles CUDA source (TileLang's, or with `tilelang_headers=False` a self-contained kernel) to an sm_90a
+    cubin, cached on disk by source, compiler and TileLang version (its headers are the version's). TileLang
+    itself is imported only to compile with its headers: that takes seconds."""
     import importlib.metadata
 
     from djax.ffi.build import cache_dir
 
     nvcc = _nvcc()
     flags = ["-cubin", f"-arch={ARCH}", "-O3", "-std=c++20", "-w"]
-    headers = "tilelang " + importlib.metadata.version("tilelang")
+    headers = "tilelang " + importlib.metadata.version("tilelang") if tilelang_headers else "cuda"
     key = hashlib.sha256("\0".join([source, _nvcc_version(nvcc), headers, *flags]).encode()).hexdigest()[:24]
     out = cache_dir().parent / "tilelang" / f"kernel-{key}.cubin"
     if not out.exists():
-        from tilelang.env import CUTLASS_INCLUDE_DIR, TILELANG_TEMPLATE_PATH
+        includes = []
+        if tilelang_headers:
+            from tilelang.env import CUTLASS_INCLUDE_DIR, TILELANG_TEMPLATE_PATH
 
+            includes = [f"-I{TILELANG_TEMPLATE_PATH}", f"-I{CUTLASS_INCLUDE_DIR}"]
         out.parent.mkdir(parents=True, exist_ok=True)
         with tempfile.TemporaryDirectory(dir=out.parent) as tmp:
             src = Path(tmp) / "kernel.cu"
             src.write_text(source)
             part = Path(tmp) / out.name
-            includes = [f"-I{TILELANG_TEMPLATE_PATH}", f"-I{CUTLASS_INCLUDE_DIR}"]
             run = subprocess.run(
                 [nvcc, *flags, *includes, str(src), "-o", str(part)], capture_output=True, text=True
             )
             if run.returncode:
-                raise RuntimeError(f"nvcc failed on TileLang's source:\n{run.stderr[-4000:]}")
+                raise RuntimeError(f"nvcc failed on the kernel's source:\n{run.stderr[-4000:]}")
             os.replace(part, out)
     return out.read_bytes()
 
