@@ -1,24 +1,26 @@
 // DeepSeek-V4 sparse decode attention with the keys as wgmma's register operand (sm_90a).
 //
-// Contract: djax/kernels/sparse_attn_ref.py's sparse_decode_ref at head dim 512, bf16. Compiled per shape with
-// -D SD_H (heads), SD_W (ring slots), SD_C (pool rows per batch row), SD_T (picks), SD_QK (scale * log2 e).
+// Contract: djax/kernels/sparse_attn_ref.py's sparse_decode_ref at head dim 512, bf16. Compiled per shape
+// with -D SD_H (heads), SD_W (ring slots), SD_C (pool rows per batch row), SD_T (picks) and SD_QK
+// (scale * log2 e).
 //
-// Why this form: the TileLang kernels gather key rows by 16-byte cp.async into the swizzled layout that wgmma's
-// shared-memory operands need, and the SM's cp.async rate paces their key loop. Here a key row's half (512
-// bytes) comes in by one bulk copy into a padded linear row, which no wgmma shared operand can read, so the
-// products are turned round and the keys become the register operand, loaded by ldmatrix (any row addresses):
+// Why this form: the TileLang kernels gather key rows by 16-byte cp.async into the swizzled layout that
+// wgmma's shared-memory operands need, and the SM's cp.async rate paces their key loop. Here a key row's
+// half (512 bytes) comes in by one bulk copy into a padded linear row, which no wgmma shared operand can
+// read, so the products are turned round and the keys become the register operand, loaded by ldmatrix
+// (which takes any row addresses):
 //   S^T [keys x heads] = K [keys x dims] Q^T        (A = K rows by ldmatrix, B = q in shared memory)
 //   O^T [dims x heads] += V^T [dims x keys] P^T     (A = the same rows by ldmatrix.trans, B = P^T in shared)
-// Grid (B, H / 64, 2), the two CTAs of a (row, 64 heads) one cluster: CTA z takes dims [256 z, 256 z + 256) of
-// q, of every key and of the output, over all of the row's key blocks. A block's scores are the sum of both
-// CTAs' partial products, so each sends its partial S^T to the peer (st.async into its shared memory) and adds
-// the peer's: both hold the same scores (f32 addition commutes), take the same online softmax (columns =
-// heads) and apply the same P^T to their own dims. Nothing is merged across the pair after the loop.
-// In a CTA: warpgroups 0 and 1 take alternate key blocks, each with its own softmax state and accumulator, so
-// one's exchange and softmax overlap the other's products; at the end they combine the two states, each for
-// half of the CTA's dims. Warpgroup 2 is the producer (slot table, bulk copies, zero rows for masked slots).
-// On the H200 at b64 it is slower than the TileLang pair (NOTES.md): the loads keep up, the consumers'
-// per-block chain (exchange and softmax above all) does not.
+// Grid (B, H / 64, 2), the two CTAs of a (row, 64 heads) one cluster: CTA z takes dims [256 z, 256 z + 256)
+// of q, of every key and of the output, over all of the row's key blocks. A block's scores are the sum of
+// both CTAs' partial products, so each sends its partial S^T to the peer (st.async into its shared memory)
+// and adds the peer's: both hold the same scores (f32 addition commutes), take the same online softmax
+// (columns = heads) and apply the same P^T to their own dims. Nothing is merged across the pair after the
+// loop. In a CTA: warpgroups 0 and 1 take alternate key blocks, each with its own softmax state and
+// accumulator, so one's exchange and softmax overlap the other's products; at the end they combine the two
+// states, each for half of the CTA's dims. Warpgroup 2 is the producer (slot table, bulk copies, zero rows
+// for masked slots). On the H200 at b64 it is slower than the TileLang pair (NOTES.md): the loads keep up,
+// the consumers' per-block chain (exchange and softmax above all) does not.
 #include <cstdint>
 
 #include <cuda_bf16.h>
@@ -28,20 +30,27 @@ namespace {
 constexpr int H = SD_H, W = SD_W, C = SD_C, T = SD_T;
 constexpr float QK = SD_QK;
 constexpr int K = 512, KH = 256, BS = 64, STAGES = 3;
-constexpr int ROW = KH * 2 + 16;  // bytes per half key row in shared memory: +16 so ldmatrix's 8 rows hit 8 bank groups
+// bytes per half key row in shared memory: +16 so that ldmatrix's 8 rows fall in 8 bank groups
+constexpr int ROW = KH * 2 + 16;
 constexpr int NBW = (W + BS - 1) / BS, NBT = (T + BS - 1) / BS, NB = NBW + NBT;
 
-// shared memory (offsets from a 1024-byte aligned base; the swizzled buffers need that alignment)
-constexpr int Q_OFF = 0;                              // q's half: 4 chunks of [64 heads][64 dims], 128-byte swizzle
-constexpr int P_OFF = Q_OFF + 64 * KH * 2;            // P^T per warpgroup: [64 heads][64 keys] bf16, 128-byte swizzle
-constexpr int X_OFF = P_OFF + 2 * 64 * BS * 2;        // the peer's partial scores: [warpgroup][use parity] 64 x 64 f32
-constexpr int KV_OFF = X_OFF + 2 * 2 * 64 * BS * 4;   // STAGES x 64 half key rows of ROW bytes
-constexpr int RED_OFF = KV_OFF + STAGES * BS * ROW;   // column maxima: [warpgroup][parity][4 warps][64]
-constexpr int SLOT_OFF = RED_OFF + 2 * 2 * 4 * 64 * 4;  // the slot table: pool or ring row, -1 masked
-constexpr int ML_OFF = SLOT_OFF + NB * BS * 4;        // both warpgroups' max and denominator per head
-constexpr int BAR_OFF = ML_OFF + 2 * 2 * 64 * 4;      // full[STAGES], empty[STAGES], exchanged[2][2]
+// Shared memory, offsets from a 1024-byte aligned base (the swizzled buffers need that alignment): q's half
+// (4 chunks of [64 heads][64 dims], 128-byte swizzle); P^T per warpgroup ([64 heads][64 keys] bf16, 128-byte
+// swizzle); the peer's partial scores ([warpgroup][use parity], 64 x 64 f32); STAGES x 64 half key rows of
+// ROW bytes; column maxima ([warpgroup][parity][4 warps][64]); the slot table (pool or ring row, -1
+// masked); both warpgroups' max and denominator per head; barriers full[STAGES], empty[STAGES],
+// exchanged[2][2].
+constexpr int Q_OFF = 0;
+constexpr int P_OFF = Q_OFF + 64 * KH * 2;
+constexpr int X_OFF = P_OFF + 2 * 64 * BS * 2;
+constexpr int KV_OFF = X_OFF + 2 * 2 * 64 * BS * 4;
+constexpr int RED_OFF = KV_OFF + STAGES * BS * ROW;
+constexpr int SLOT_OFF = RED_OFF + 2 * 2 * 4 * 64 * 4;
+constexpr int ML_OFF = SLOT_OFF + NB * BS * 4;
+constexpr int BAR_OFF = ML_OFF + 2 * 2 * 64 * 4;
 static_assert(P_OFF % 1024 == 0 && KV_OFF % 1024 == 0, "swizzled buffers need 1024-byte alignment");
-static_assert(STAGES * BS * ROW >= 2 * 2 * 64 * 64 * 4, "the warpgroups swap half accumulators over the ring");
+static_assert(STAGES * BS * ROW >= 2 * 2 * 64 * 64 * 4,
+              "the warpgroups swap half accumulators over the ring");
 
 constexpr uint32_t X_BYTES = 64 * BS * 4;  // one warpgroup's partial scores of one block
 
@@ -86,8 +95,8 @@ __device__ __forceinline__ uint32_t peer_addr(uint32_t addr, uint32_t rank) {
 
 __device__ __forceinline__ void push4(uint32_t addr, float a, float b, float c, float d, uint32_t bar) {
   asm volatile(
-      "st.async.shared::cluster.mbarrier::complete_tx::bytes.v4.f32 [%0], {%1, %2, %3, %4}, [%5];" ::"r"(addr),
-      "f"(a), "f"(b), "f"(c), "f"(d), "r"(bar)
+      "st.async.shared::cluster.mbarrier::complete_tx::bytes.v4.f32 [%0], {%1, %2, %3, %4}, [%5];"
+      ::"r"(addr), "f"(a), "f"(b), "f"(c), "f"(d), "r"(bar)
       : "memory");
 }
 
@@ -126,7 +135,9 @@ __device__ __forceinline__ uint64_t sw128_desc(uint32_t addr) {
 }
 
 __device__ __forceinline__ void wgmma_fence() { asm volatile("wgmma.fence.sync.aligned;" ::: "memory"); }
-__device__ __forceinline__ void wgmma_commit() { asm volatile("wgmma.commit_group.sync.aligned;" ::: "memory"); }
+__device__ __forceinline__ void wgmma_commit() {
+  asm volatile("wgmma.commit_group.sync.aligned;" ::: "memory");
+}
 template <int N>
 __device__ __forceinline__ void wgmma_wait() {
   asm volatile("wgmma.wait_group.sync.aligned %0;" ::"n"(N) : "memory");
@@ -144,7 +155,8 @@ __device__ __forceinline__ void fence_regs(uint32_t (&r)[4]) {
 }
 
 // D[64 x 64] (+)= A[64 x 16] B[16 x 64]: A bf16 from registers, B a shared-memory descriptor, f32 accumulate.
-__device__ __forceinline__ void wgmma_rs(float (&d)[32], const uint32_t (&a)[4], uint64_t desc, int accumulate) {
+__device__ __forceinline__ void wgmma_rs(float (&d)[32], const uint32_t (&a)[4], uint64_t desc,
+                                         int accumulate) {
   asm volatile(
       "{\n .reg .pred p;\n setp.ne.b32 p, %37, 0;\n"
       "wgmma.mma_async.sync.aligned.m64n64k16.f32.bf16.bf16 "
@@ -152,9 +164,10 @@ __device__ __forceinline__ void wgmma_rs(float (&d)[32], const uint32_t (&a)[4],
       "%16, %17, %18, %19, %20, %21, %22, %23, %24, %25, %26, %27, %28, %29, %30, %31}, "
       "{%32, %33, %34, %35}, %36, p, 1, 1, 0;\n}"
       : "+f"(d[0]), "+f"(d[1]), "+f"(d[2]), "+f"(d[3]), "+f"(d[4]), "+f"(d[5]), "+f"(d[6]), "+f"(d[7]),
-        "+f"(d[8]), "+f"(d[9]), "+f"(d[10]), "+f"(d[11]), "+f"(d[12]), "+f"(d[13]), "+f"(d[14]), "+f"(d[15]),
-        "+f"(d[16]), "+f"(d[17]), "+f"(d[18]), "+f"(d[19]), "+f"(d[20]), "+f"(d[21]), "+f"(d[22]), "+f"(d[23]),
-        "+f"(d[24]), "+f"(d[25]), "+f"(d[26]), "+f"(d[27]), "+f"(d[28]), "+f"(d[29]), "+f"(d[30]), "+f"(d[31])
+        "+f"(d[8]), "+f"(d[9]), "+f"(d[10]), "+f"(d[11]), "+f"(d[12]), "+f"(d[13]), "+f"(d[14]),
+        "+f"(d[15]), "+f"(d[16]), "+f"(d[17]), "+f"(d[18]), "+f"(d[19]), "+f"(d[20]), "+f"(d[21]),
+        "+f"(d[22]), "+f"(d[23]), "+f"(d[24]), "+f"(d[25]), "+f"(d[26]), "+f"(d[27]), "+f"(d[28]),
+        "+f"(d[29]), "+f"(d[30]), "+f"(d[31])
       : "r"(a[0]), "r"(a[1]), "r"(a[2]), "r"(a[3]), "l"(desc), "r"(accumulate));
 }
 
@@ -216,7 +229,7 @@ extern "C" __global__ void __launch_bounds__(384, 1) __cluster_dims__(1, 1, 2)
       const int row = slots[g * BS + r];
       const bool mine = lane < 16, live = mine && row >= 0;
       uint8_t* dst = smem + KV_OFF + st * BS * ROW + r * ROW;
-      if (mine && !live) {  // masked slots read as zeros, never stale bytes (P is 0 there, but 0 * NaN is not)
+      if (mine && !live) {  // masked slots read as zeros, never stale bytes (P is 0 there, 0 * NaN is not)
         uint4* d4 = reinterpret_cast<uint4*>(dst);
 #pragma unroll 8
         for (int c = 0; c < KH * 2 / 16; ++c) d4[c] = make_uint4(0, 0, 0, 0);
@@ -308,7 +321,8 @@ extern "C" __global__ void __launch_bounds__(384, 1) __cluster_dims__(1, 1, 2)
     {
       const uint32_t rx = peer_addr(smem_addr(xs), peer) + t * 16, rbar = peer_addr(xbar, peer);
 #pragma unroll
-      for (int j = 0; j < 8; ++j) push4(rx + j * 128 * 16, s[4 * j], s[4 * j + 1], s[4 * j + 2], s[4 * j + 3], rbar);
+      for (int j = 0; j < 8; ++j)
+        push4(rx + j * 128 * 16, s[4 * j], s[4 * j + 1], s[4 * j + 2], s[4 * j + 3], rbar);
     }
     mbar_wait(xbar, (n / 2) & 1);
 #pragma unroll
@@ -363,7 +377,8 @@ extern "C" __global__ void __launch_bounds__(384, 1) __cluster_dims__(1, 1, 2)
     for (int j = 0; j < 8; ++j)
 #pragma unroll
       for (int e = 0; e < 2; ++e) {
-        const float p0 = exp2_approx(s[4 * j + e] - m[2 * j + e]), p1 = exp2_approx(s[4 * j + 2 + e] - m[2 * j + e]);
+        const float p0 = exp2_approx(s[4 * j + e] - m[2 * j + e]);
+        const float p1 = exp2_approx(s[4 * j + 2 + e] - m[2 * j + e]);
         s[4 * j + e] = p0, s[4 * j + 2 + e] = p1;
         l[2 * j + e] = l[2 * j + e] * alpha[2 * j + e] + p0 + p1;
       }
@@ -380,8 +395,8 @@ extern "C" __global__ void __launch_bounds__(384, 1) __cluster_dims__(1, 1, 2)
 #pragma unroll
       for (int y = 0; y < 4; ++y) {
         const int key = r0 + 8 * (y / 2), head = 8 * j + 2 * (lane & 3) + y % 2;
-        *reinterpret_cast<__nv_bfloat16*>(smem + (p_s - base) + head * 128 + (((key >> 3) ^ (head & 7)) << 4) +
-                                          (key & 7) * 2) = __float2bfloat16(s[4 * j + y]);
+        const int at = head * 128 + (((key >> 3) ^ (head & 7)) << 4) + (key & 7) * 2;
+        *reinterpret_cast<__nv_bfloat16*>(smem + (p_s - base) + at) = __float2bfloat16(s[4 * j + y]);
       }
     asm volatile("fence.proxy.async.shared::cta;" ::: "memory");  // P^T is read by wgmma (the async proxy)
     named_sync(2 + wg, 128);
@@ -493,7 +508,8 @@ extern "C" __global__ void __launch_bounds__(384, 1) __cluster_dims__(1, 1, 2)
   for (int rr = 0; rr < 8; ++rr) {
     const int head = 16 * w + 2 * rr + lane / 16;
     const uint4 v = *reinterpret_cast<const uint4*>(stage + head * 272 + (lane % 16) * 16);
-    uint4* dst = reinterpret_cast<uint4*>(out + (static_cast<size_t>(bx) * H + by * 64 + head) * K + z * KH + wg * 128);
+    const size_t row = static_cast<size_t>(bx) * H + by * 64 + head;
+    uint4* dst = reinterpret_cast<uint4*>(out + row * K + z * KH + wg * 128);
     dst[lane % 16] = v;
   }
   cluster_sync();  // no CTA leaves while its peer may still send to it

@@ -35,9 +35,9 @@ def _cuobjdump() -> str | None:
 
 @needs_nvcc
 def test_cubin_keeps_wgmma_pipelined_and_registers_only(tmp_path):
-    """At the benchmark's shape: 32 register-operand wgmmas a key block (16 for S^T, 16 for O^T), each group of
-    two waited on with one still in flight (not serialised by ptxas), no local memory (spills), 384 threads
-    and the shared memory the launcher reserves under sm_90's limit."""
+    """At the benchmark's shape: 32 register-operand wgmmas a key block (16 for S^T, 16 for O^T), each
+    group of two waited on with one still in flight (not serialised by ptxas), no local memory (spills),
+    384 threads and the shared memory the launcher reserves under sm_90's limit."""
     kern = sparse_attn_rs.cuda_kernel(64, 128, 2048, 512, 512**-0.5)
     assert kern.name == "sparse_decode_rs" and kern.threads == 384 and kern.extra_null == 0
     assert kern.shared_bytes == sparse_attn_rs.shared_bytes(128, 512) <= 227 * 1024
@@ -90,9 +90,9 @@ def _check(args, scale):
 @pytest.mark.parametrize(
     "shape",
     [
-        (3, 128, 512, 100, 300, 77),  # two head groups, W and T not multiples of 64 (3 blocks: 1 and 2)
-        (2, 64, 512, 60, 300, 5),  # one block each way: one per CTA
-        (4, 64, 512, 129, 1000, 512),  # the model's ring of 129: 11 blocks, 5 and 6
+        (3, 128, 512, 100, 300, 77),  # two head groups, W and T not multiples of 64 (4 blocks, 2 a warpgroup)
+        (2, 64, 512, 60, 300, 5),  # one block each way: one per warpgroup
+        (4, 64, 512, 129, 1000, 512),  # the model's ring of 129: 11 blocks (6 and 5) round 3 stages
         (64, 64, 512, 128, 2048, 512),  # the benchmark's shape
         (8, 64, 512, 128, 2048, 512),
     ],
@@ -110,8 +110,8 @@ def test_rs_large_logits():
 
 
 def test_phase_stamps_find_every_anchor():
-    """benchmarks/profile_rs_phases.py stamps a copy of the kernel's source at anchor lines: each must still be
-    there once (else it raises), every point of its table gets a store, and the stamps reach the output."""
+    """benchmarks/profile_rs_phases.py stamps a copy of the kernel's source at anchor lines: each must still
+    be there once (else it raises), every point of its table gets a store, and the stamps reach the output."""
     import sys
 
     sys.path.insert(0, str(Path(__file__).resolve().parents[2] / "benchmarks"))
