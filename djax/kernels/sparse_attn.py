@@ -63,7 +63,7 @@ def sparse_decode(
     impl="rs" (sm_90a; q bf16, head dim 512, h a multiple of 64): the CUDA kernel with the keys as wgmma's
     register operand (`sparse_attn_rs`): half key rows by bulk copy, a CTA pair splitting the head dim as
     `dim_pair` does; the tiling arguments do not apply to it. An option, not taken by "auto": slower than
-    the TileLang default at b64 on the H200 (30.6-30.9 us against 22.9-23.1, NOTES.md).
+    the TileLang default at b64 on the H200 (30.3-30.4 us against 23.2-23.4, NOTES.md).
     Unsupported shapes raise ValueError.
     """
     shapes.sparse_decode(q, window, window_valid, pool, topk, sinks)

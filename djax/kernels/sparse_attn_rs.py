@@ -8,8 +8,8 @@ with the keys loaded into registers by ldmatrix. Two CTAs per (row, 64 heads), o
 the head dim and all of the row's keys, adding each other's partial scores every block (the TileLang pair's
 scheme). The file's header says how the work is laid out. Compiling needs nvcc only.
 
-Measured on the H200 at b64 (`benchmarks/results/attn_tilings_h200_rs_ab.json`): 30.6-30.9 us against
-22.9-23.1 for the TileLang default, so `impl="auto"` does not take it; `rs_phases_h200.json` shows why (the
+Measured on the H200 at b64 (`benchmarks/results/attn_tilings_h200_rs_ab.json`): 30.3-30.4 us against
+23.2-23.4 for the TileLang default, so `impl="auto"` does not take it; `rs_phases_h200.json` shows why (the
 consumers' chain a block, not the loads, paces it). NOTES.md has the analysis.
 """
 

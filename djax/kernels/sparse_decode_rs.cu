@@ -207,6 +207,7 @@ extern "C" __global__ void __launch_bounds__(384, 1) __cluster_dims__(1, 1, 2)
   if (wg == 2) {
     asm volatile("setmaxnreg.dec.sync.aligned.u32 40;");
     // slot table, this warp's 16 rows of every block: the ring's row j or the pool's row topk[i], -1 masked
+#pragma unroll 3  // every lane's loads issued before any is used: one round trip, not one per slot
     for (int s = lane; s < NB * 16; s += 32) {
       const int g = s / 16, r = 16 * w + s % 16;
       int row = -1;
