@@ -14,14 +14,12 @@ a little slower than the plain one; the points are where they sit in the source.
 import argparse
 import datetime
 import functools
-import hashlib
 import json
 import os
 import sys
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 import jax  # noqa: E402
-import jax.numpy as jnp  # noqa: E402
 import numpy as np  # noqa: E402
 
 from djax.kernels import sparse_attn_rs as rs  # noqa: E402
@@ -92,41 +90,23 @@ def stamped_source(src: str) -> str:
     return s[: -len(last)] + tail
 
 
-def kernels():
-    """The plain kernel and the stamped copy (Cubins; compiled without a GPU)."""
-    from djax.ffi.cubin import Cubin
-    from djax.kernels.tilelang_build import nvcc_cubin
-
-    plain = rs.cuda_kernel(H, W, C, T, SCALE)
-    defines = {"SD_H": H, "SD_W": W, "SD_C": C, "SD_T": T, "SD_QK": f"{SCALE * 1.4426950408889634!r}f"}
-    head = "".join(f"#define {k} {v}\n" for k, v in defines.items())
-    binary = nvcc_cubin(head + stamped_source(rs.SOURCE.read_text()), tilelang_headers=False)
-    key = "rs-stamped-" + hashlib.sha256(binary).hexdigest()[:20]
-    return plain, Cubin(key, plain.name, binary, plain.threads, plain.shared_bytes + 256, 0)
-
-
 def main():
     p = argparse.ArgumentParser()
     p.add_argument("--out", default=os.environ.get("OUT", "/tmp"))
     p.add_argument("--build", action="store_true", help="compile only")
     args = p.parse_args()
-    plain, stamped = kernels()
+    plain, stamped = (rs.cuda_kernel(H, W, C, T, SCALE, edit) for edit in (None, stamped_source))
     if args.build:
         print("built", plain.key, stamped.key)
         return
     from bench_kernels import attn_sets, bench
 
-    from djax.ffi import cubin
-    from djax.kernels.sparse_attn import kernel_operands, sparse_decode
-
-    def call(kern, *a):
-        ops = kernel_operands(*a, valid_dtype=jnp.bool_)
-        return cubin.launch(kern, (B, H // 64, 2), ops, jax.ShapeDtypeStruct(a[0].shape, a[0].dtype))
+    from djax.kernels.sparse_attn import sparse_decode
 
     sets = attn_sets(24, B, H, K, W, C, T)
     fns = {
-        "rs": functools.partial(call, plain),
-        "rs_stamped": functools.partial(call, stamped),
+        "rs": functools.partial(rs.sparse_decode_rs, scale=SCALE),
+        "rs_stamped": functools.partial(rs.sparse_decode_rs, scale=SCALE, edit=stamped_source),
         "auto": functools.partial(sparse_decode, scale=SCALE),
     }
     times = {name: [] for name in fns}

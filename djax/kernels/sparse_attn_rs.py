@@ -67,23 +67,27 @@ def check_shapes(h: int, k: int, w: int, c: int, t: int) -> None:
 
 
 @functools.cache
-def cuda_kernel(h: int, w: int, c: int, t: int, scale: float):
-    """Compiles the kernel for one static shape (no GPU needed; the cubin is cached on disk by source)."""
+def cuda_kernel(h: int, w: int, c: int, t: int, scale: float, edit=None):
+    """Compiles the kernel for one static shape (no GPU needed; the cubin is cached on disk by source).
+    `edit`, a function of the source text, compiles a changed copy (benchmarks/profile_rs_phases.py's
+    stamps)."""
     from djax.ffi.cubin import Cubin
     from djax.kernels.tilelang_build import nvcc_cubin
 
     defines = {"SD_H": h, "SD_W": w, "SD_C": c, "SD_T": t, "SD_QK": f"{float(scale) * math.log2(math.e)!r}f"}
     head = "".join(f"#define {name} {value}\n" for name, value in defines.items())
-    binary = nvcc_cubin(head + SOURCE.read_text(), tilelang_headers=False)
+    source = SOURCE.read_text()
+    binary = nvcc_cubin(head + (edit(source) if edit else source), tilelang_headers=False)
     key = "rs-" + hashlib.sha256(binary).hexdigest()[:24]
     return Cubin(key, "sparse_decode_rs", binary, THREADS, shared_bytes(w, t), extra_null=0)
 
 
-def sparse_decode_rs(q, window, window_valid, pool, topk, sinks, scale: float):
+def sparse_decode_rs(q, window, window_valid, pool, topk, sinks, scale: float, edit=None):
     """`sparse_decode_ref`'s contract on a CUDA GPU (sm_90a): returns [b, h, 512] bf16.
 
     q [b, h, 512] bf16 with h a multiple of 64; window [b, W, 512]; window_valid bool[b, W]; pool
-    [b, C, 512]; topk int32[b, T] (negative or >= C: invalid); sinks f32[h]. Keys are cast to bf16."""
+    [b, C, 512]; topk int32[b, T] (negative or >= C: invalid); sinks f32[h]. Keys are cast to bf16.
+    `edit`: as in `cuda_kernel`."""
     from djax.ffi import cubin
     from djax.kernels.sparse_attn import kernel_operands
 
@@ -93,5 +97,5 @@ def sparse_decode_rs(q, window, window_valid, pool, topk, sinks, scale: float):
     b, h, k = q.shape
     w, c, t = window.shape[1], pool.shape[1], topk.shape[1]
     check_shapes(h, k, w, c, t)
-    kern = cuda_kernel(h, w, c, t, float(scale))
+    kern = cuda_kernel(h, w, c, t, float(scale), edit)
     return cubin.launch(kern, (b, h // HEADS, 2), args, jax.ShapeDtypeStruct(q.shape, q.dtype))
