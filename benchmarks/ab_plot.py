@@ -1,6 +1,7 @@
-"""The side-by-side scripts' picture (`ab_fp8_tilings.py`, `ab_attn_tilings.py`): one panel per shape, per variant
-a bar at the median of its rounds and a dot per round, as a fraction of a ceiling (the axis starts near the
-slowest round: the differences are a few per cent), the median's microseconds beside it."""
+"""The side-by-side scripts' picture (`ab_fp8_tilings.py`, `ab_attn_tilings.py`, `ab_fp8_grouped.py`): one
+panel per shape, per variant a bar at the median of its rounds and a dot per round, as a fraction of a ceiling
+(the axis starts near the slowest round: the differences are a few per cent), the median's microseconds beside
+it."""
 
 import numpy as np
 

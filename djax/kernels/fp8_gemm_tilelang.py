@@ -112,6 +112,12 @@ class WsTiling:
     `cache_hints` (k_groups > 1): A's TMA loads ask L2 to keep A (every column tile reads it: evict_last)
     and the weights' to let them go first (each byte read once: evict_first).
 
+    `half_tiles` (the grouped program, 128-row tiles): in a tile whose second 64 rows are all padding, the
+    warpgroup of those rows skips its wgmmas and promotions (it still waits and arrives on every stage, and
+    stores zeros for its rows), so the first warpgroup has the tensor cores to itself (`with_half_tiles`).
+    With groups padded to 128 rows, the last tile of a group of r rows is such a tile when r mod 128 is
+    1 to 64.
+
     With m under block_m (decode), A's TMA box (and with smem_scales its scales') spans A's m rows, not
     block_m: a box reaching past the end of A is filled slowly (at m 8, n 4096, k 7168 the decode GEMM took
     14.3-14.6 us with 64-row boxes and 9.9-10.1 with 8 on the H200). The shared rows past m are never written
@@ -130,6 +136,7 @@ class WsTiling:
     push_sum: bool = False
     push_regs: bool = False
     cache_hints: bool = False
+    half_tiles: bool = False
 
     @property
     def consumer_wgs(self) -> int:
@@ -168,6 +175,7 @@ class WsTiling:
         tail += "_ps" if self.push_sum else ""
         tail += "_pr" if self.push_regs else ""
         tail += "_ch" if self.cache_hints else ""
+        tail += "_ht" if self.half_tiles else ""
         return f"ws{self.block_m}x{self.block_n}s{self.stages}{tail}"
 
 
@@ -285,11 +293,14 @@ WS_VARIANTS = {  # tilings worth timing (measured best first, then the newer one
 }
 
 
-def default_grouped_tiling(n: int) -> WsTiling:
+def default_grouped_tiling(n: int, k: int) -> WsTiling:
     """The grouped contiguous program's tiles (MoE prefill, every group a whole number of 128-row tiles):
     the dense prefill default's 128x256 where 256 divides n, else 128x128; 3 stages, panels of 8, the
-    scales a k block ahead."""
-    return WsTiling(128, 256 if n % 256 == 0 else 128, 3, panel=8, scales_ahead=True)
+    scales a k block ahead. Up to k 4096 the second warpgroup idles where its rows are padding
+    (`half_tiles`), measured side by side (tilelang_fp8_gemm_h200_grouped_half_tiles*_ab.json): 5-6% faster
+    at V4-Flash's experts on one GPU (k 4096 and 2048), 2.6-3% on an expert-parallel rank's 32 of them,
+    1.5% at n 7168, k 2048; at n 4096, k 7168 it was 7-14% slower, with the k loop compiled alike."""
+    return WsTiling(128, 256 if n % 256 == 0 else 128, 3, panel=8, scales_ahead=True, half_tiles=k <= 4096)
 
 
 def default_tiling(m: int, n: int, k: int) -> Tiling:
@@ -453,6 +464,8 @@ def ws_program(m: int, n: int, k: int, tiling: WsTiling, groups: int = 0):
             f"the grouped program takes whole tiles of rows (m {m} a multiple of block_m), no split of k, no "
             f"shared-memory scales and no early store: {tiling}"
         )
+    if tiling.half_tiles and not (groups and tiling.block_m == 128 and tiling.by_rows):
+        raise ValueError(f"half_tiles is for the grouped program's 128-row tiles (two warpgroups): {tiling}")
     if tiling.k_groups > 1:
         from djax.kernels.fp8_decode_tilelang import decode_program
 
@@ -668,7 +681,7 @@ def lower_ws(m: int, n: int, k: int, tiling: WsTiling | None = None, groups: int
     """CUDA source and launch description of the TMA + warp-specialised variant: grid, threads (producer
     warpgroup included), shared_bytes, name, and params (per kernel parameter: an FFI buffer index for a pointer,
     or a `djax.ffi.tma.TensorMap`). groups > 0: the grouped contiguous program (`ws_program`). No GPU needed."""
-    tiling = tiling or (default_grouped_tiling(n) if groups else default_ws_tiling(m, n, k))
+    tiling = tiling or (default_grouped_tiling(n, k) if groups else default_ws_tiling(m, n, k))
     art = lower(ws_program(m, n, k, tiling, groups), {"kind": "cuda", "arch": ARCH}, HOPPER)
     source, launch = tma_kernel(art, _GROUPED_PARAMS if groups else _PARAMS)
     if tiling.sums_in_cluster:
@@ -677,6 +690,8 @@ def lower_ws(m: int, n: int, k: int, tiling: WsTiling | None = None, groups: int
         source = with_cluster_sum(source, launch["name"], tiling.split_k, tiling.push_sum)
     if tiling.early_store:
         source = with_early_store(source)
+    if tiling.half_tiles:
+        source = with_half_tiles(source)
     return source, launch
 
 
@@ -720,6 +735,65 @@ def with_early_store(source: str) -> str:
     return source[:at] + early + source[at:stores] + last + source[close:]
 
 
+# The lowered source's 64-row half of a 128-row tile that a consumer warpgroup computes (its A operand starts
+# that many 8192-byte halves into the stage), and the grouped program's test of a tile's first row
+_ROW_HALF = "(((((int)threadIdx.x) >> 7) + 1) & 1)"
+_LIVE_TILE = "if (0 <= MI[(((int)blockIdx.y) * 128)]) {"
+_IDLE = "djax_idle_half"
+
+
+def _block_end(source: str, open_at: int) -> int:
+    """The index just past the brace that closes the one at `open_at`."""
+    depth = 0
+    for i in range(open_at, len(source)):
+        depth += {"{": 1, "}": -1}.get(source[i], 0)
+        if depth == 0:
+            return i + 1
+    raise NotImplementedError("unbalanced braces in the lowered source")
+
+
+def with_half_tiles(source: str) -> str:
+    """The grouped program's lowered source (128-row tiles, each consumer warpgroup 64 rows) with the second
+    warpgroup idle in a tile whose rows 64-127 are padding (m_indices -1 there: its group has 1 to 64 rows in
+    the tile). The consumers' k loop is kept as lowered for a warpgroup with rows, and an idle one runs a copy
+    of it holding only its stage barrier operations, in their order: it still waits for every stage and
+    arrives on its release (a stage is free once both warpgroups arrived, so an early arrival would count
+    toward the wrong phase), and its accumulators, cleared before the loop, stage zeros for its rows. The
+    first warpgroup then has the tensor cores alone. (Guarding each wgmma block and promotion inside the one
+    loop instead made the kernel 1-5% slower: ptxas scheduled the loop differently.)"""
+    consumer = "tl::warpgroup_reg_alloc<240>();\n"
+    if source.count(consumer) != 1 or source.count(_LIVE_TILE) != 1:
+        raise NotImplementedError(
+            "unexpected grouped program in the lowered source: no single consumer branch"
+        )
+    alloc = source.index(consumer)
+    head = re.compile(r"for \(int (j_\d+) = 0; \1 < (\d+); \+\+\1\) ").search(source, alloc)
+    if head is None:
+        raise NotImplementedError("no k loop in the lowered source's consumer branch")
+    loop, end = head.start(), _block_end(source, head.end())
+    body = source[head.end() : end]
+    chains = body.count("tl::warpgroup_arrive();")  # one wgmma chain per 128-column slice
+    if not chains or body.count(f"({_ROW_HALF} * 8192)") != chains:
+        raise NotImplementedError("the consumer warpgroups do not take 64-row halves of the tile's A operand")
+    barriers = re.findall(r"mbarrier\[[^\]]+\]\.(?:wait\([^;]*\)|arrive\(\));", body)
+    waits = sum(".wait(" in b for b in barriers)
+    if not waits or waits == len(barriers) or body.count("mbarrier[") != len(barriers):
+        raise NotImplementedError("unexpected stage barriers in the lowered source's consumer loop")
+    indent = source[source.rindex("\n", 0, loop) + 1 : loop]
+    idle = f"\n{indent}    ".join([source[loop : head.end()] + "{", *barriers]) + f"\n{indent}  }}"
+    # per thread, as lowered: read through a shuffle from lane 0 (the compiler then keeps the k loop's index,
+    # barrier addresses and descriptors in uniform registers) it was 2% slower at V4-Flash's expert shapes and
+    # still slower than whole tiles at k 7168 (tilelang_fp8_gemm_h200_grouped_half_tiles_shfl_ab.json)
+    flag = f"const bool {_IDLE} = {_ROW_HALF} == 1 && MI[((((int)blockIdx.y) * 128) + 64)] < 0;"
+    branch = (
+        f"{flag}\n{indent}if ({_IDLE}) {{\n{indent}  #pragma unroll 1\n{indent}  {idle}\n{indent}}}\n{indent}"
+    )
+    # the lowered loop itself runs no blocks when idle (a loop in an else branch was scheduled differently)
+    trips = head.group(2)
+    lowered = source[loop : head.end()].replace(f"< {trips};", f"< ({_IDLE} ? 0 : {trips});")
+    return source[:loop] + branch + lowered + source[head.end() :]
+
+
 @functools.cache
 def cuda_kernel(m: int, n: int, k: int, tiling: Tiling | None = None) -> CudaKernel:
     """Lowers, compiles (no GPU needed) and describes the kernel for one static shape."""
@@ -750,7 +824,7 @@ def ws_kernel(m: int, n: int, k: int, tiling: WsTiling | None = None, groups: in
     groups > 0: the grouped contiguous program over `groups` weight matrices."""
     from djax.ffi.tma import TmaKernel
 
-    tiling = tiling or (default_grouped_tiling(n) if groups else default_ws_tiling(m, n, k))
+    tiling = tiling or (default_grouped_tiling(n, k) if groups else default_ws_tiling(m, n, k))
     if groups:
         source, launch = lowered_on_disk(
             "fp8_grouped_ws", (m, n, k, tiling, groups), lower_ws, ws_sources(tiling)
@@ -821,13 +895,13 @@ def grouped_contiguous_tilelang(a, a_scale, b, b_scale, m_indices, tiling: WsTil
     (128) and m a multiple of it; a_scale f32[m, k/128]; b fp8_e4m3fn[g, n, k]; b_scale f32[g, n/128, k/128];
     m_indices int32[m], -1 for padding. A tile takes its first row's group; a tile whose first row is padding
     is skipped and its rows are left unwritten (the reference zeros them); padding rows inside a live tile
-    get that group's product of their row of a."""
+    get that group's product of their row of a, or 0 in a half the tiling's `half_tiles` leaves idle."""
     from djax.ffi import tma
 
     m, k = a.shape
     g, n = b.shape[:2]
     check_shapes(m, n, k)
-    t = tiling or default_grouped_tiling(n)
+    t = tiling or default_grouped_tiling(n, k)
     if a.dtype != jnp.float8_e4m3fn or b.dtype != jnp.float8_e4m3fn or b.shape[2] != k:
         raise ValueError(f"need fp8_e4m3fn a[m, k], b[g, n, k]; got {a.dtype}{a.shape}, {b.dtype}{b.shape}")
     if m % t.block_m:

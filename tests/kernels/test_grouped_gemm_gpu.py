@@ -1,6 +1,8 @@
 """On a CUDA GPU: the grouped GEMM, moe_experts, moe_experts_fp8 and FP8 Triton kernels (cubins launched through the FFI
 handler) against their references, in bf16 / fp8."""
 
+import dataclasses
+
 import jax
 import jax.numpy as jnp
 import numpy as np
@@ -244,21 +246,31 @@ def _contiguous_case(seed, e, n, d, counts):
 
 
 @needs_tilelang_gpu
+@pytest.mark.parametrize("half_tiles", [False, True])
 @pytest.mark.parametrize("n", [512, 384])  # 128x256 tiles; 128x128 (256 does not divide 384)
-def test_tilelang_grouped_contiguous_matches_ref(n):
+def test_tilelang_grouped_contiguous_matches_ref(n, half_tiles):
     """The TileLang grouped kernel against the f32 reference on the live rows: groups of 1, 128, 129, 300 and
     0 rows (a group with none takes no tile), 256 rows of padding tiles at the end (skipped), a tile of a
     group past the last weight (its rows are 0 in the reference and in the kernel: TMA reads zeros there), called
-    through the public op in a jit and inside a scan."""
+    through the public op in a jit and inside a scan. With `half_tiles` three tiles (the groups of 1, 129 and
+    300 rows) have padding in rows 64-127, which their second warpgroup skips: those rows come out 0."""
+    from djax.kernels.fp8_gemm_tilelang import default_grouped_tiling
+
     e, d = 6, 1024
     a, a_s, b, b_s, groups = _contiguous_case(n, e, n, d, [1, 128, 129, 0, 300, 77])
     groups = groups.at[-384:-256].set(e)  # one tile of a group past the last weight, before the padding
     live = np.asarray(groups) >= 0
-    f = lambda *z: grouped_contiguous(*z, impl="tilelang")  # noqa: E731
+    tiling = dataclasses.replace(default_grouped_tiling(n, d), half_tiles=half_tiles)
+    f = lambda *z: grouped_contiguous(*z, impl="tilelang", tiling=tiling)  # noqa: E731
     out = jax.jit(f)(a, a_s, b, b_s, groups)
     ref = grouped_contiguous(a, a_s, b, b_s, groups, jnp.float32, impl="ref")
     assert out.dtype == jnp.bfloat16 and out.shape == (groups.shape[0], n)
     assert_close(np.asarray(out.astype(jnp.float32))[live], np.asarray(ref)[live], BF16_OUT_RTOL)
+    if half_tiles:
+        g = np.asarray(groups).reshape(-1, 128)
+        idle = (g[:, 0] >= 0) & (g[:, 64] < 0)  # live tiles whose second half is padding
+        assert idle.sum() == 3
+        assert not np.asarray(out).reshape(-1, 128, n)[idle, 64:].astype(np.float32).any()
 
     def body(c, _):
         return c, f(a, a_s, b, b_s, groups).astype(jnp.float32)

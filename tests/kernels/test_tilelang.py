@@ -468,7 +468,7 @@ def test_grouped_program_lowers_with_tile_skip_and_3d_weights(n):
     from djax.kernels.fp8_gemm_tilelang import default_grouped_tiling, lower_ws
 
     m, k, g = 1024, 1024, 8
-    t = default_grouped_tiling(n)
+    t = default_grouped_tiling(n, k)
     assert t.block_n == (256 if n % 256 == 0 else 128)
     src, launch = lower_ws(m, n, k, None, g)
     assert launch["grid"] == (n // t.block_n, m // 128, 1) and launch["threads"] == 384
@@ -486,6 +486,46 @@ def test_grouped_program_lowers_with_tile_skip_and_3d_weights(n):
 
 
 @needs_tilelang
+@needs_nvcc
+@pytest.mark.parametrize("n", [512, 384])  # two 128-column slices a warpgroup; one
+def test_grouped_half_tiles_give_the_idle_warpgroup_a_loop_of_barriers(tmp_path, monkeypatch, n):
+    """No GPU needed: with `half_tiles` the consumer branch computes once whether its warpgroup's 64 rows are
+    padding (the second warpgroup, m_indices -1 at the tile's row 64); if so it runs a loop of only the k
+    loop's stage waits and arrivals, in their order, and the lowered k loop runs no blocks. Everything else is
+    the plain lowering. The cubin compiles."""
+    monkeypatch.setenv("DJAX_FFI_CACHE", str(tmp_path / "ffi"))
+    from djax.kernels.fp8_gemm_tilelang import default_grouped_tiling, lower_ws, ws_kernel
+
+    t = default_grouped_tiling(n, 1024)
+    # the default up to k 4096, where it was measured faster (at k 7168 it was slower)
+    assert t.half_tiles and default_grouped_tiling(n, 4096).half_tiles
+    assert not default_grouped_tiling(n, 7168).half_tiles
+    plain, _ = lower_ws(1024, n, 1024, dataclasses.replace(t, half_tiles=False), 4)
+    src, _ = lower_ws(1024, n, 1024, t, 4)
+    flag = (
+        "const bool djax_idle_half = (((((int)threadIdx.x) >> 7) + 1) & 1) == 1 && "
+        "MI[((((int)blockIdx.y) * 128) + 64)] < 0;"
+    )
+    assert src.count(flag) == 1 and src.index(flag) > src.index("tl::warpgroup_reg_alloc<240>();")
+    idle = re.search(
+        r"if \(djax_idle_half\) \{\n *#pragma unroll 1\n *for \(int j_1 = 0; j_1 < 8; \+\+j_1\) \{\n(.*?)\}",
+        src,
+        re.S,
+    )
+    statements = [x.strip() for x in idle.group(1).strip().split("\n")]
+    assert all(x.startswith("mbarrier[") for x in statements)
+    waits = [x for x in statements if ".wait(" in x]  # A and B share one barrier a stage; or A, B, B's slice
+    assert len(waits) == (3 if n % 256 == 0 else 1) and len(statements) == 2 * len(waits)
+    bound = "for (int j_1 = 0; j_1 < (djax_idle_half ? 0 : 8); ++j_1) {"
+    assert src.count(bound) == 1
+    # without the flag and the idle loop, and with the lowered loop's bound, the source is the plain one
+    cut = src[: src.index(flag)] + src[src.index(bound) :]
+    assert cut.replace(bound, "for (int j_1 = 0; j_1 < 8; ++j_1) {") == plain
+    kern = ws_kernel.__wrapped__(1024, n, 1024, t, 4)
+    assert kern.binary[:4] == b"\x7fELF"
+
+
+@needs_tilelang
 def test_grouped_program_refuses_what_it_does_not_do():
     from djax.kernels.fp8_gemm_tilelang import WsTiling, ws_program
 
@@ -497,6 +537,10 @@ def test_grouped_program_refuses_what_it_does_not_do():
     ]:
         with pytest.raises(ValueError, match="grouped program"):
             ws_program(m, 512, 1024, t, groups=4)
+    with pytest.raises(ValueError, match="half_tiles"):  # only the grouped program has padding rows
+        ws_program(1024, 512, 1024, WsTiling(128, 256, 3, half_tiles=True))
+    with pytest.raises(ValueError, match="half_tiles"):  # one warpgroup of 64 rows: no half to skip
+        ws_program(1024, 512, 1024, WsTiling(64, 256, 3, half_tiles=True), groups=4)
 
 
 @needs_tilelang
