@@ -122,7 +122,7 @@ def contiguous_takes_tilelang(a, b, out_dtype) -> bool:
     H200, 2026-12-03 (`kernels_h200_fp8_grouped_tilelang.json`, V4-Flash's experts at 4,096 tokens, top-6 of
     256, skewed routing): gate/up shape (n 2048, k 4096) 525.9 us against Triton's 603.2 (its best tiles;
     650.1 its default), down (n 4096, k 2048) 562.5 against 641.9 (716.5); with idle half tiles (2026-12-04,
-    `tilelang_fp8_gemm_h200_grouped_half_tiles_ab.json`) 488.8-490.5 and 527.3-529.3 us. Smaller layouts were
+    `tilelang_fp8_gemm_h200_grouped_half_tiles_ab.json`) 488.5-489.5 and 528.8-530.1 us. Smaller layouts were
     not measured."""
     from djax.kernels.fp8_gemm_tilelang import default_grouped_tiling
 

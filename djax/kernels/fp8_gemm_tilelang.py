@@ -297,9 +297,9 @@ def default_grouped_tiling(n: int, k: int) -> WsTiling:
     """The grouped contiguous program's tiles (MoE prefill, every group a whole number of 128-row tiles):
     the dense prefill default's 128x256 where 256 divides n, else 128x128; 3 stages, panels of 8, the
     scales a k block ahead. Up to k 4096 the second warpgroup idles where its rows are padding
-    (`half_tiles`), measured side by side (tilelang_fp8_gemm_h200_grouped_half_tiles*_ab.json): 5-6% faster
+    (`half_tiles`), measured side by side (tilelang_fp8_gemm_h200_grouped_half_tiles*_ab.json): 6-7% faster
     at V4-Flash's experts on one GPU (k 4096 and 2048), 2.6-3% on an expert-parallel rank's 32 of them,
-    1.5% at n 7168, k 2048; at n 4096, k 7168 it was 7-14% slower, with the k loop compiled alike."""
+    1.4% at n 7168, k 2048; at n 4096, k 7168 it was 4-14% slower, even in a layout with no idle half."""
     return WsTiling(128, 256 if n % 256 == 0 else 128, 3, panel=8, scales_ahead=True, half_tiles=k <= 4096)
 
 
@@ -760,7 +760,8 @@ def with_half_tiles(source: str) -> str:
     arrives on its release (a stage is free once both warpgroups arrived, so an early arrival would count
     toward the wrong phase), and its accumulators, cleared before the loop, stage zeros for its rows. The
     first warpgroup then has the tensor cores alone. (Guarding each wgmma block and promotion inside the one
-    loop instead made the kernel 1-5% slower: ptxas scheduled the loop differently.)"""
+    loop instead made the kernel 1-5% slower: ptxas scheduled the loop differently.) The lowered loop runs
+    inside `if (!idle)`; with its bound 0 when idle instead it was 1.2% slower at V4-Flash."""
     consumer = "tl::warpgroup_reg_alloc<240>();\n"
     if source.count(consumer) != 1 or source.count(_LIVE_TILE) != 1:
         raise NotImplementedError(
@@ -788,10 +789,7 @@ def with_half_tiles(source: str) -> str:
     branch = (
         f"{flag}\n{indent}if ({_IDLE}) {{\n{indent}  #pragma unroll 1\n{indent}  {idle}\n{indent}}}\n{indent}"
     )
-    # the lowered loop itself runs no blocks when idle (a loop in an else branch was scheduled differently)
-    trips = head.group(2)
-    lowered = source[loop : head.end()].replace(f"< {trips};", f"< ({_IDLE} ? 0 : {trips});")
-    return source[:loop] + branch + lowered + source[head.end() :]
+    return source[:loop] + branch + f"if (!{_IDLE}) " + source[loop:]
 
 
 @functools.cache
