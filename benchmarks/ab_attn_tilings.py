@@ -5,8 +5,9 @@ python benchmarks/ab_attn_tilings.py [--batches 64] [--variants push,pair3] [--r
 (CUDA GPU, tilelang importable; `--build` lowers and compiles only, no GPU needed.)
 Per batch size, at `bench_kernels.py`'s shape (64 heads x 512, ring of 128, top 512 of 2,048 pool rows): "auto"
 (the default tiling) and every chosen variant of `VARIANTS`, each checked against the reference first (a wrong
-one is recorded and not timed), then `--rounds` rounds each timing every variant once (device time from a
-profiler trace, `bench_kernels.bench`, over input sets that rotate so repeats miss L2). Writes
+one is recorded and not timed), then `--rounds` rounds each timing every variant once, each round starting
+with the next variant (device time from a profiler trace, `bench_kernels.bench`, over input sets that rotate
+so repeats miss L2). Writes
 attn_tilings_ab.json under --out (rewritten after every round) and its PNG (per batch, each variant's rounds
 as dots on its bar of the median, as a fraction of the copy bandwidth measured in the same run).
 """
@@ -22,6 +23,7 @@ sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 import jax  # noqa: E402
 import jax.numpy as jnp  # noqa: E402
 import numpy as np  # noqa: E402
+from ab_plot import one_round, side_by_side_args  # noqa: E402
 
 from djax.kernels.sparse_attn import sparse_decode  # noqa: E402
 
@@ -67,10 +69,7 @@ def main():
     p = argparse.ArgumentParser()
     p.add_argument("--batches", default="64")
     p.add_argument("--variants", default="push,pair3", help=f"comma list of {', '.join(VARIANTS)}")
-    p.add_argument("--rounds", type=int, default=5)
-    p.add_argument("--out", default=os.environ.get("OUT", "/tmp"))
-    p.add_argument("--build", action="store_true", help="lower and compile only")
-    args = p.parse_args()
+    args = side_by_side_args(p, 5)
     batches = [int(b) for b in args.batches.split(",")]
     chosen = {name: {**WS, **VARIANTS[name]} for name in args.variants.split(",")}
     if args.build:
@@ -99,7 +98,7 @@ def main():
                 print("built", name, b, flush=True)
         return
 
-    from bench_kernels import attn_cost, attn_sets, bench, measure_ceilings
+    from bench_kernels import attn_cost, attn_sets, measure_ceilings
 
     bw, _ = measure_ceilings()
     res = dict(
@@ -129,13 +128,10 @@ def main():
                 err = f"failed: {e!r}"[:500]
             row["rel_err"][name] = err
             print(b, name, "rel_err", err, flush=True)
+        ok = {name for name, err in row["rel_err"].items() if isinstance(err, float) and err <= RTOL}
+        timed = {name: (fn, sets) for name, fn in fns.items() if name in ok}
         for r in range(args.rounds):
-            times = {}
-            for name, fn in fns.items():
-                if isinstance(row["rel_err"][name], float) and row["rel_err"][name] <= RTOL:
-                    wall, dev, _ = bench(fn, sets, trace=True)
-                    times[name] = round((dev or wall) * 1e6, 2)
-            row["rounds"].append(times)
+            row["rounds"].append(times := one_round(timed, r))
             of_copy = {n: round(nbytes / (us * 1e-6) / bw, 4) for n, us in times.items()}
             print(b, "round", r, times, "of copy", of_copy, flush=True)
             with open(os.path.join(args.out, "attn_tilings_ab.json"), "w") as f:

@@ -4,20 +4,19 @@ python benchmarks/ab_fp8_grouped.py [--only v4flash,ep] [--rounds 3] [--out DIR]
 (CUDA GPU, tilelang importable; `--build` lowers and compiles only, no GPU needed; `--plot JSON` only draws an
 earlier run's PNG beside it.)
 Layouts: V4-Flash's experts on one GPU at 4,096 tokens (top-6 of 256 with `bench_moe._routing`'s skew, each
-group padded to 128 rows, the layout's static bound of rows, so tiles of padding follow the last group), gate or
-up (n 2048, k 4096) and down (n 4096, k 2048); and `bench_moe.GROUPED_EP_SHAPES`' expert-parallel rank layouts
-(DeepGEMM's shapes, and V4-Flash's 32 local experts of about 768 rows). Variants: the default
-(`default_grouped_tiling`), the default with `half_tiles` flipped and, where the layout has tiles of padding after its last group, the default over the
-rows up to the last group only (the same kernel with fewer CTAs: what those tiles of padding cost). Each is
-checked against the f32 reference on the rows of 16 groups (every variant's check includes tiles whose second
-half is padding), then timed in `--rounds` rounds (device time, `bench_kernels.bench`), each round starting with the next
-variant. FLOPs count the
-picks, not the padding. Writes fp8_grouped_ab.json under --out (rewritten after every layout) and its PNG.
+group padded to 128 rows, the layout's static bound of rows, so tiles of padding follow the last group), gate
+or up (n 2048, k 4096) and down (n 4096, k 2048); and `bench_moe.GROUPED_EP_SHAPES`' expert-parallel rank
+layouts (DeepGEMM's shapes, and V4-Flash's 32 local experts of about 768 rows). Variants: the default
+(`default_grouped_tiling`), the default with `half_tiles` flipped and, where the layout has tiles of padding
+after its last group, the default over the rows up to the last group only (the same kernel with fewer CTAs:
+what those tiles of padding cost). Each is checked against the f32 reference on the rows of 16 groups (every
+variant's check includes tiles whose second half is padding), then timed in `--rounds` rounds (device time,
+`bench_kernels.bench`), each round starting with the next variant. FLOPs count the picks, not the padding.
+Writes fp8_grouped_ab.json under --out (rewritten after every layout) and its PNG.
 """
 
 import argparse
 import dataclasses
-import json
 import os
 import sys
 import time
@@ -26,6 +25,7 @@ sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 import jax  # noqa: E402
 import jax.numpy as jnp  # noqa: E402
 import numpy as np  # noqa: E402
+from ab_plot import one_round, save, side_by_side_args  # noqa: E402
 
 from djax.kernels import fp8_gemm_tilelang as F  # noqa: E402
 
@@ -65,12 +65,13 @@ def variants(mi, n, k):
 
 
 def check_rows(mi):
-    """Rows of CHECK_GROUPS groups: those with a tile whose second half is padding first, then the largest."""
+    """Rows of CHECK_GROUPS groups (or all): up to half of them groups with a tile whose second half is padding,
+    then the largest others, then more of the first kind."""
     starts = np.flatnonzero(np.r_[True, mi[1:] != mi[:-1]] & (mi >= 0))  # each group's first row
     sizes = np.array([np.count_nonzero(mi == mi[s]) for s in starts])
     half = [i for i, r in enumerate(sizes) if 1 <= r % 128 <= 64]
     rest = [i for i in np.argsort(-sizes) if i not in half]
-    chosen = sorted((half[: CHECK_GROUPS // 2] + rest)[:CHECK_GROUPS])
+    chosen = sorted((half[: CHECK_GROUPS // 2] + rest + half[CHECK_GROUPS // 2 :])[:CHECK_GROUPS])
     return np.concatenate([np.arange(starts[i], starts[i] + -(-sizes[i] // 128) * 128) for i in chosen])
 
 
@@ -95,14 +96,8 @@ def plot(result: dict, path: str) -> None:
 def main():
     p = argparse.ArgumentParser()
     p.add_argument("--only", default="v4flash,ep", help="comma list of substrings of the layouts' names")
-    p.add_argument("--rounds", type=int, default=3)
-    p.add_argument("--out", default=os.environ.get("OUT", "/tmp"))
-    p.add_argument("--build", action="store_true", help="lower and compile only")
-    p.add_argument("--plot", metavar="JSON", help="only draw the PNG of an earlier run's JSON, beside it")
-    args = p.parse_args()
-    if args.plot:
-        with open(args.plot) as f:
-            plot(json.load(f), args.plot.removesuffix(".json") + ".png")
+    args = side_by_side_args(p, 3, plot)
+    if args is None:
         return
     chosen = layouts(tuple(args.only.split(",")))
     if args.build:
@@ -112,7 +107,6 @@ def main():
                 print("built", name, vname, flush=True)
         return
 
-    from bench_kernels import bench
     from bench_tilelang import FP8_PEAK, RTOL, rel_err
 
     from djax.kernels.fp8_gemm import grouped_contiguous
@@ -152,22 +146,13 @@ def main():
             row["idle_rows_nonzero"][vname] = int(np.count_nonzero(out[idle]))
             print(name, vname, "rel_err", err, "ok" if err <= RTOL else "WRONG", flush=True)
             fns[vname] = fn, vsets
-        order = list(fns)
+        timed = {v: x for v, x in fns.items() if row["rel_err"][v] <= RTOL}
         for rnd in range(args.rounds):
-            times = {}
-            # each round starts with the next variant, so that none is always timed first (or last)
-            for vname in order[rnd % len(order) :] + order[: rnd % len(order)]:
-                fn, vsets = fns[vname]
-                if row["rel_err"][vname] <= RTOL:
-                    wall, dev, _ = bench(fn, vsets, trace=True)
-                    times[vname] = round((dev or wall) * 1e6, 2)
-            row["rounds"].append(times)
+            row["rounds"].append(times := one_round(timed, rnd))
             frac = {v: round(row["flops"] / (us * 1e-6) / FP8_PEAK, 4) for v, us in times.items()}
             print(name, "round", rnd, times, "of FP8 peak", frac, flush=True)
         res["rows"].append(row)
-        with open(os.path.join(args.out, "fp8_grouped_ab.json"), "w") as f:
-            json.dump(res, f, indent=1)
-        plot(res, os.path.join(args.out, "fp8_grouped_ab.png"))
+        save(res, args.out, "fp8_grouped_ab", plot)
 
 
 if __name__ == "__main__":

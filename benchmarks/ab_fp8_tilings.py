@@ -5,14 +5,14 @@ python benchmarks/ab_fp8_tilings.py [--shapes 4096x4096x4096,...] [--only _ss,_g
 earlier run's PNG beside it.)
 Per shape: the "ws" default (`default_ws_tiling`) and every tiling of the shape's phase in `WS_VARIANTS`
 whose name contains one of `--only`, each checked against the f32 reference first (a wrong one is recorded
-and not timed), then `--rounds` rounds each timing every variant once (device time from a profiler trace,
-`bench_kernels.bench`). Writes fp8_tilings_ab.json (rewritten after every shape) under --out, and its PNG
-(per shape, every variant's rounds as dots on its bar of the median, as a fraction of the FP8 peak).
+and not timed), then `--rounds` rounds each timing every variant once, each round starting with the next
+variant (device time from a profiler trace, `bench_kernels.bench`). Writes fp8_tilings_ab.json (rewritten
+after every shape) under --out, and its PNG (per shape, every variant's rounds as dots on its bar of the
+median, as a fraction of the FP8 peak).
 """
 
 import argparse
 import functools
-import json
 import os
 import sys
 import time
@@ -21,6 +21,7 @@ sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 import jax  # noqa: E402
 import jax.numpy as jnp  # noqa: E402
 import numpy as np  # noqa: E402
+from ab_plot import one_round, save, side_by_side_args  # noqa: E402
 
 from djax.kernels import fp8_gemm_tilelang as F  # noqa: E402
 
@@ -60,14 +61,8 @@ def main():
     p = argparse.ArgumentParser()
     p.add_argument("--shapes", default="4096x4096x4096,4096x7168x7168,4096x4096x7168")
     p.add_argument("--only", default="", help="comma list of substrings of WS_VARIANTS names (default: all)")
-    p.add_argument("--rounds", type=int, default=3)
-    p.add_argument("--out", default=os.environ.get("OUT", "/tmp"))
-    p.add_argument("--build", action="store_true", help="lower and compile only")
-    p.add_argument("--plot", metavar="JSON", help="only draw the PNG of an earlier run's JSON, beside it")
-    args = p.parse_args()
-    if args.plot:
-        with open(args.plot) as f:
-            plot(json.load(f), args.plot.removesuffix(".json") + ".png")
+    args = side_by_side_args(p, 3, plot)
+    if args is None:
         return
     shapes = [tuple(int(d) for d in s.split("x")) for s in args.shapes.split(",")]
     only = tuple(args.only.split(","))
@@ -78,7 +73,6 @@ def main():
                 print("built", name, m, n, k, flush=True)
         return
 
-    from bench_kernels import bench
     from bench_moe import timing_sets
     from bench_tilelang import FP8_PEAK, RTOL, make_sets, rel_err
 
@@ -95,19 +89,13 @@ def main():
             out = jax.block_until_ready(jax.jit(fn)(*sets[0]))
             row["rel_err"][name] = err = rel_err(np.asarray(out.astype(jnp.float32)), ref)
             print(m, n, k, name, "rel_err", err, "ok" if err <= RTOL else "WRONG", flush=True)
+        timed = {name: (fn, sets) for name, fn in fns.items() if row["rel_err"][name] <= RTOL}
         for r in range(args.rounds):
-            times = {}
-            for name, fn in fns.items():
-                if row["rel_err"][name] <= RTOL:
-                    wall, dev, _ = bench(fn, sets, trace=True)
-                    times[name] = round((dev or wall) * 1e6, 2)
-            row["rounds"].append(times)
+            row["rounds"].append(times := one_round(timed, r))
             peak = {name: round(2 * m * n * k / (us * 1e-6) / FP8_PEAK, 4) for name, us in times.items()}
             print(m, n, k, "round", r, times, "of FP8 peak", peak, flush=True)
         res["rows"].append(row)
-        with open(os.path.join(args.out, "fp8_tilings_ab.json"), "w") as f:
-            json.dump(res, f, indent=1)
-        plot(res, os.path.join(args.out, "fp8_tilings_ab.png"))
+        save(res, args.out, "fp8_tilings_ab", plot)
 
 
 if __name__ == "__main__":

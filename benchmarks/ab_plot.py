@@ -1,9 +1,52 @@
-"""The side-by-side scripts' picture (`ab_fp8_tilings.py`, `ab_attn_tilings.py`, `ab_fp8_grouped.py`): one
-panel per shape, per variant a bar at the median of its rounds and a dot per round, as a fraction of a ceiling
-(the axis starts near the slowest round: the differences are a few per cent), the median's microseconds beside
-it."""
+"""What the side-by-side scripts (`ab_fp8_tilings.py`, `ab_attn_tilings.py`, `ab_fp8_grouped.py`) share: their
+options, a round of timings, and the picture: one panel per shape, per variant a bar at the median of its
+rounds and a dot per round, as a fraction of a ceiling (the axis starts near the slowest round: the
+differences are a few per cent), the median's microseconds beside it."""
+
+import json
+import os
 
 import numpy as np
+
+
+def side_by_side_args(p, rounds: int, plot=None):
+    """Adds the options every side-by-side script takes to the parser `p` (--rounds, --out, --build and, with
+    a `plot(result, path)`, --plot) and parses. With --plot it only draws that earlier run's PNG beside its
+    JSON and returns None."""
+    p.add_argument("--rounds", type=int, default=rounds)
+    p.add_argument("--out", default=os.environ.get("OUT", "/tmp"))
+    p.add_argument("--build", action="store_true", help="lower and compile only")
+    if plot is not None:
+        p.add_argument("--plot", metavar="JSON", help="only draw the PNG of an earlier run's JSON, beside it")
+    args = p.parse_args()
+    if plot is not None and args.plot:
+        with open(args.plot) as f:
+            plot(json.load(f), args.plot.removesuffix(".json") + ".png")
+        return None
+    return args
+
+
+def one_round(timed: dict, rnd: int) -> dict:
+    """Device microseconds per call of each entry of `timed` (name -> (fn, input sets);
+    `bench_kernels.bench`) in round `rnd`, which starts with entry rnd mod len, so that no variant is always
+    timed first (or last)."""
+    from bench_kernels import bench
+
+    names = list(timed)
+    start = rnd % len(names) if names else 0
+    times = {}
+    for name in names[start:] + names[:start]:
+        fn, sets = timed[name]
+        wall, dev, _ = bench(fn, sets, trace=True)
+        times[name] = round((dev or wall) * 1e6, 2)
+    return times
+
+
+def save(result: dict, out: str, stem: str, plot) -> None:
+    """Writes `result` as out/stem.json and its picture, `plot(result, path)`, as out/stem.png."""
+    with open(os.path.join(out, stem + ".json"), "w") as f:
+        json.dump(result, f, indent=1)
+    plot(result, os.path.join(out, stem + ".png"))
 
 
 def plot_rounds(panels, default: str, target: float, suptitle: str, path: str) -> None:

@@ -1,0 +1,78 @@
+"""The side-by-side scripts' shared parts (benchmarks/ab_plot.py) and the grouped one's layouts
+(benchmarks/ab_fp8_grouped.py), on the CPU: the order of a round's timings, --plot, the rows checked and the
+variants timed."""
+
+import json
+import sys
+from pathlib import Path
+
+import jax.numpy as jnp
+import numpy as np
+import pytest
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[2] / "benchmarks"))
+import ab_plot  # noqa: E402
+
+
+def test_one_round_starts_each_round_with_the_next_variant():
+    traced = []
+
+    def variant(name):
+        def fn(x):
+            traced.append(name)  # runs when `bench` traces its jit, once per call of bench
+            return x + 1.0
+
+        return fn, [(jnp.arange(4.0),)]
+
+    timed = {name: variant(name) for name in "abc"}
+    for rnd, first in [(0, "a"), (1, "b"), (2, "c"), (4, "b")]:
+        traced.clear()
+        times = ab_plot.one_round(timed, rnd)
+        start = "abc".index(first)
+        assert traced == list("abc"[start:] + "abc"[:start])
+        assert sorted(times) == ["a", "b", "c"] and all(t > 0 for t in times.values())
+
+
+def test_side_by_side_args_replots_and_stops(tmp_path, monkeypatch):
+    import argparse
+
+    drawn = []
+    saved = tmp_path / "run.json"
+    saved.write_text(json.dumps({"rows": [1]}))
+    monkeypatch.setattr(sys, "argv", ["x", "--plot", str(saved)])
+    assert ab_plot.side_by_side_args(argparse.ArgumentParser(), 3, lambda r, p: drawn.append((r, p))) is None
+    assert drawn == [({"rows": [1]}, str(tmp_path / "run.png"))]
+    monkeypatch.setattr(sys, "argv", ["x", "--rounds", "4", "--build"])
+    args = ab_plot.side_by_side_args(argparse.ArgumentParser(), 3)
+    assert (args.rounds, args.build) == (4, True)
+
+
+@pytest.fixture(scope="module")
+def grouped():
+    import ab_fp8_grouped
+
+    return ab_fp8_grouped
+
+
+def test_grouped_check_rows_cover_tiles_with_an_idle_half(grouped):
+    """The checked rows are whole 128-row tiles of 16 groups, half of them groups whose last tile has padding
+    in rows 64-127 (the tiles `half_tiles` computes with one warpgroup)."""
+    sizes = [1, 300, 128, 77, 2000, 64, 65, 130] + [129] * 12
+    mi = np.concatenate([np.r_[np.full(r, g), np.full(-r % 128, -1)] for g, r in enumerate(sizes)])
+    rows = grouped.check_rows(mi)
+    tiles = mi[rows].reshape(-1, 128)
+    assert rows.size % 128 == 0 and np.all(rows % 128 == np.arange(rows.size) % 128)
+    assert len(np.unique(mi[rows][mi[rows] >= 0])) == grouped.CHECK_GROUPS
+    idle = (tiles[:, 0] >= 0) & (tiles[:, 64] < 0)
+    assert idle.sum() >= grouped.CHECK_GROUPS // 2
+
+
+def test_grouped_variants_flip_half_tiles_and_cut_trailing_padding(grouped):
+    mi = np.r_[
+        np.full(200, 0), np.full(56, -1), np.full(384, -1)
+    ]  # a group of 200 rows, then 3 padding tiles
+    names = {name: (t, rows) for name, t, rows in grouped.variants(mi, 2048, 4096)}
+    assert names["default"][0].half_tiles and not names["whole tiles"][0].half_tiles
+    assert names["default, rows to the last group"][1] == 256 and names["default"][1] == mi.size
+    names = {name for name, _, _ in grouped.variants(mi[:256], 4096, 7168)}
+    assert names == {"default", "half_tiles"}  # no trailing padding; half tiles not the default at k 7168
