@@ -58,9 +58,11 @@ def stamped_source(src: str) -> str:
         "  const int wg = threadIdx.x / 128, t = threadIdx.x % 128, w = t / 32, lane = t % 32;\n",
         "  __shared__ unsigned stamps[64];\n"
         "  const bool rec = bx == 0 && by == 0 && z == 0;\n"
-        "#define STAMP(k) do { if (rec && threadIdx.x == 0) stamps[k] = (unsigned)clock64(); } while (0)\n"
-        "#define STAMP1(k) do { if (rec && threadIdx.x == 128) stamps[k] = (unsigned)clock64(); } while (0)\n"
-        "#define PSTAMP(k) do { if (rec && threadIdx.x == 256) stamps[k] = (unsigned)clock64(); } while (0)\n"
+        "#define STAMP_BY(tid, k) \\\n"
+        "  do { if (rec && threadIdx.x == tid) stamps[k] = (unsigned)clock64(); } while (0)\n"
+        "#define STAMP(k) STAMP_BY(0, k)\n"
+        "#define STAMP1(k) STAMP_BY(128, k)\n"
+        "#define PSTAMP(k) STAMP_BY(256, k)\n"
         "  if (threadIdx.x == 0) stamps[63] = (unsigned)clock64();\n",
     )
     s = _insert(
