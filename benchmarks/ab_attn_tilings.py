@@ -45,9 +45,6 @@ VARIANTS = {  # name -> sparse_decode's tiling arguments (on top of WS)
     "pair3": dict(nsplit=1, num_stages=3, dim_pair=True),
     "pair32_6": dict(nsplit=1, block_s=32, num_stages=6, dim_pair=True),  # 32-key blocks: more in flight
     "pair32_8": dict(nsplit=1, block_s=32, num_stages=8, dim_pair=True),
-    # one exchange buffer a warpgroup (the sender waits until the peer has read the last scores): 32 KB free
-    "pair3_one": dict(nsplit=1, num_stages=3, dim_pair=True, one_exchange=True),
-    "pair4_one": dict(nsplit=1, num_stages=4, dim_pair=True, one_exchange=True),
     "rs": dict(impl="rs"),  # the CUDA kernel with the keys as wgmma's register operand (no tiling)
 }
 
@@ -96,7 +93,6 @@ def main():
                     merge,
                     kw.get("tma_q", False),
                     kw.get("dim_pair", False),
-                    kw.get("one_exchange", False),
                 )
                 cuda_kernel(b, H, K, W, C, T, SCALE, tiling)
                 print("built", name, b, flush=True)

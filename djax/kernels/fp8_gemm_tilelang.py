@@ -24,7 +24,6 @@ blocks with the k splits summed in a thread-block cluster (`k_groups`, the progr
 Compiling needs TileLang 0.1.15 and, for the cubin, nvcc (13.0 here and on the H200 image), not a GPU.
 """
 
-import dataclasses
 import functools
 import hashlib
 import re
@@ -119,12 +118,6 @@ class WsTiling:
     With groups padded to 128 rows, the last tile of a group of r rows is such a tile when r mod 128 is
     1 to 64.
 
-    `tiles_per_cta` > 1 (prefill, 128x256 without split): each CTA computes that many output tiles one after
-    another in one pipelined loop over all their k blocks, so the producer loads the next tile's first k
-    blocks while the consumers finish this one, and a tile's result goes from the accumulator registers
-    straight to global memory (no staging, no wait) while the next tile's wgmmas run. Tile s of CTA c is the
-    (s * CTAs + c)-th in the panel order, so the CTAs in flight cover neighbouring tiles as a wave does.
-
     With m under block_m (decode), A's TMA box (and with smem_scales its scales') spans A's m rows, not
     block_m: a box reaching past the end of A is filled slowly (at m 8, n 4096, k 7168 the decode GEMM took
     14.3-14.6 us with 64-row boxes and 9.9-10.1 with 8 on the H200). The shared rows past m are never written
@@ -144,9 +137,6 @@ class WsTiling:
     push_regs: bool = False
     cache_hints: bool = False
     half_tiles: bool = False
-    tiles_per_cta: int = 1
-    tile_store: str = "regs"
-    l2_promotion: int = 0
 
     @property
     def consumer_wgs(self) -> int:
@@ -186,9 +176,6 @@ class WsTiling:
         tail += "_pr" if self.push_regs else ""
         tail += "_ch" if self.cache_hints else ""
         tail += "_ht" if self.half_tiles else ""
-        tail += f"_t{self.tiles_per_cta}" if self.tiles_per_cta > 1 else ""
-        tail += f"_{self.tile_store}" if self.tile_store != "regs" else ""
-        tail += f"_l2p{self.l2_promotion}" if self.l2_promotion else ""
         return f"ws{self.block_m}x{self.block_n}s{self.stages}{tail}"
 
 
@@ -279,19 +266,6 @@ WS_VARIANTS = {  # tilings worth timing (measured best first, then the newer one
         WsTiling(128, 256, 3, 8, scales_ahead=True),
         # the first slice's TMA store issued under the second slice's staging, one wait for both
         WsTiling(128, 256, 3, 8, scales_ahead=True, early_store=True),
-        # several tiles a CTA in one pipelined loop (the next tile's loads under this one's end); 4 and 7 put
-        # one CTA on 128 SMs at 4096 x 4096 and 4096 x 7168 (512 and 896 tiles)
-        WsTiling(128, 256, 3, 8, scales_ahead=True, tiles_per_cta=2),
-        WsTiling(128, 256, 3, 8, scales_ahead=True, tiles_per_cta=4),
-        WsTiling(128, 256, 4, 8, scales_ahead=True, tiles_per_cta=4),
-        WsTiling(128, 256, 3, 8, scales_ahead=True, tiles_per_cta=7),
-        WsTiling(128, 256, 4, 8, scales_ahead=True, tiles_per_cta=7),
-        WsTiling(128, 256, 3, 8, scales_ahead=True, tiles_per_cta=4, tile_store="tma"),
-        WsTiling(128, 256, 3, 8, scales_ahead=True, tile_store="tma"),
-        WsTiling(128, 256, 3, 8, scales_ahead=True, tile_store="stg"),
-        WsTiling(128, 256, 3, 8, scales_ahead=True, early_store=True, l2_promotion=3),
-        WsTiling(128, 256, 3, 8, scales_ahead=True, l2_promotion=3),
-        WsTiling(128, 256, 4, 8, scales_ahead=True, early_store=True),
     ),
     "decode": (
         WsTiling(64, 32, 8),
@@ -315,7 +289,6 @@ WS_VARIANTS = {  # tilings worth timing (measured best first, then the newer one
         WsTiling(64, 64, 8, split_k=4, k_groups=4, push_sum=True, push_regs=True),
         # L2 asked to keep A and to evict the streamed weights first
         K_GROUP_DECODE,
-        dataclasses.replace(K_GROUP_DECODE, l2_promotion=3),
     ),
 }
 
@@ -465,19 +438,6 @@ def check_ws_tiling(m: int, n: int, k: int, tiling: WsTiling) -> None:
         raise ValueError(f"push_sum is for the k-group decode program (k_groups > 1): {tiling}")
     if tiling.early_store and (tiling.slices != 2 or tiling.split_k > 1 or not tiling.by_rows):
         raise ValueError(f"early_store needs two 128-column slices per warpgroup and no split of k: {tiling}")
-    if tiling.tiles_per_cta > 1:
-        tiles = -(-m // bm) * (n // bn)
-        if (bm, bn) != (128, 2 * BLOCK) or tiling.split_k > 1 or tiling.smem_scales or tiling.early_store:
-            raise ValueError(
-                f"tiles_per_cta is for 128x256 tiles without a split of k or shared scales: {tiling}"
-            )
-        if not tiling.scales_ahead:
-            raise ValueError(f"tiles_per_cta loads the scales a k block ahead (scales_ahead): {tiling}")
-        if m % bm or tiles % tiling.tiles_per_cta:
-            raise ValueError(
-                f"tiles_per_cta={tiling.tiles_per_cta} needs whole row tiles (m {m}) and to divide the "
-                f"{tiles} tiles"
-            )
     if tiling.smem_scales and (k // BLOCK) % 4:
         # TMA needs the scale rows' stride (k / 128 floats) to be a multiple of 16 bytes
         raise ValueError(f"smem_scales needs k a multiple of {4 * BLOCK}: {tiling} at k={k}")
@@ -485,14 +445,6 @@ def check_ws_tiling(m: int, n: int, k: int, tiling: WsTiling) -> None:
         # A split's scale columns padded up to a 16-byte TMA box: on the H200 this kernel stopped with an
         # illegal instruction (64x4096x7168, split_k 4: 14 k blocks per split). Not understood; refused.
         raise ValueError(f"smem_scales needs a multiple of 4 k blocks per split: {tiling} at k={k}")
-
-
-def panel_tile(t, tiles_m: int, tiles_n: int, panel: int, minimum=min):
-    """(row tile, column tile) of the t-th tile in panel order: `panel` tile rows at a time, row fastest (t may
-    be a TileLang expression, with `minimum` T.min)."""
-    first = (t // (panel * tiles_n)) * panel
-    rows = minimum(tiles_m - first, panel)
-    return first + (t % (panel * tiles_n)) % rows, (t % (panel * tiles_n)) // rows
 
 
 def ws_program(m: int, n: int, k: int, tiling: WsTiling, groups: int = 0):
@@ -647,78 +599,6 @@ def ws_program(m: int, n: int, k: int, tiling: WsTiling, groups: int = 0):
                 if sliced:
                     T.copy(c1_s, C[by * bm, bx * bn + sw])
 
-    tpc = tiling.tiles_per_cta
-    tiles_m, tiles_n = -(-m // bm), n // bn
-    ctas = tiles_m * tiles_n // tpc
-    panel = min(tiling.panel or tiles_m, tiles_m)
-
-    def tile_of(t):
-        return panel_tile(t, tiles_m, tiles_n, panel, T.min)
-
-    @T.macro
-    def tiles(A, AS, B, BS, C, bx):
-        """`tiles_per_cta` tiles of 128x256 (two warpgroups of 64 rows, two 128-column slices each) in one
-        pipelined loop over all their k blocks: step j is k block j % kb of the CTA's tile j // kb, the
-        (j // kb * ctas + bx)-th in panel order. A tile's last step writes its accumulators to global memory
-        and clears them for the next tile."""
-        a_s = T.alloc_shared((bm, BLOCK), fp8)
-        b_s = T.alloc_shared((sw, BLOCK), fp8)
-        b1_s = T.alloc_shared((sw, BLOCK), fp8)
-        part = T.alloc_fragment((bm, sw), f32)
-        acc = T.alloc_fragment((bm, sw), f32)
-        acc1 = T.alloc_fragment((bm, sw), f32)
-        scale = T.alloc_fragment((bm,), f32)
-        scale1 = T.alloc_fragment((bm,), f32)
-        ahead_a = T.alloc_fragment((bm,), f32)
-        ahead_b = T.alloc_fragment((bm,), f32)
-        ahead_b1 = T.alloc_fragment((bm,), f32)
-        if tiling.tile_store == "tma":
-            c_s = T.alloc_shared((bm, sw), "bfloat16")
-            c1_s = T.alloc_shared((bm, sw), "bfloat16")
-        tm0, tn0 = tile_of(bx)
-        load_ahead(AS, BS, None, ahead_a, ahead_b, ahead_b1, tn0, tm0, 0)
-        T.clear(acc)
-        T.clear(acc1)
-        for j in T.Pipelined(tpc * kb, num_stages=stages):
-            tm, tn = tile_of(j // kb * ctas + bx)
-            i = j % kb
-            T.copy(A[tm * bm : tm * bm + bm, i * BLOCK : (i + 1) * BLOCK], a_s)
-            T.copy(B[tn * bn, i * BLOCK], b_s)
-            T.copy(B[tn * bn + sw, i * BLOCK], b1_s)
-            for r in T.Parallel(bm):
-                scale[r] = ahead_a[r] * ahead_b[r]
-            for r in T.Parallel(bm):
-                scale1[r] = ahead_a[r] * ahead_b1[r]
-            jn = T.min(j + 1, tpc * kb - 1)  # the next step's scales (the last step's again past the end)
-            tmn, tnn = tile_of(jn // kb * ctas + bx)
-            load_ahead(AS, BS, None, ahead_a, ahead_b, ahead_b1, tnn, tmn, jn % kb)
-            T.gemm(a_s, b_s, part, transpose_B=True, clear_accum=True, policy=policy)
-            for r, c in T.Parallel(bm, sw):
-                acc[r, c] += part[r, c] * scale[r]
-            T.gemm(a_s, b1_s, part, transpose_B=True, clear_accum=True, policy=policy)
-            for r, c in T.Parallel(bm, sw):
-                acc1[r, c] += part[r, c] * scale1[r]
-            if i == kb - 1:
-                if tiling.tile_store == "tma":
-                    T.copy(acc, c_s)
-                    T.copy(acc1, c1_s)
-                    T.copy(c_s, C[tm * bm, tn * bn])
-                    T.copy(c1_s, C[tm * bm, tn * bn + sw])
-                else:
-                    T.copy(acc, C[tm * bm, tn * bn])
-                    T.copy(acc1, C[tm * bm, tn * bn + sw])
-                T.clear(acc)
-                T.clear(acc1)
-
-    if tpc > 1 or tiling.tile_store != "regs":
-
-        @T.prim_func
-        def fp8_gemm_tiles(A: A_t, AS: AS_t, B: B_t, BS: BS_t, C: C_t):
-            with T.Kernel(ctas, threads=tiling.consumer_threads) as bx:
-                tiles(A, AS, B, BS, C, bx)
-
-        return fp8_gemm_tiles
-
     if groups:
 
         @T.prim_func
@@ -812,15 +692,6 @@ def lower_ws(m: int, n: int, k: int, tiling: WsTiling | None = None, groups: int
         source = with_early_store(source)
     if tiling.half_tiles:
         source = with_half_tiles(source)
-    if tiling.l2_promotion:  # A's and B's tensor maps (buffers 0 and 2) ask L2 for that promotion size
-        from djax.ffi.tma import TensorMap
-
-        launch["params"] = tuple(
-            dataclasses.replace(p, l2_promotion=tiling.l2_promotion)
-            if isinstance(p, TensorMap) and p.buffer in (0, 2)
-            else p
-            for p in launch["params"]
-        )
     return source, launch
 
 

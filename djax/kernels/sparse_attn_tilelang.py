@@ -86,10 +86,7 @@ class Tiling:
     start. Measured within 1% of the cp.async form (NOTES.md), so an option.
     dim_pair (`pair_program`, 384 threads, nsplit 1): the two CTAs of a cluster each take half of the head
     dim (of q, of every key and of the output) over all of the row's key blocks, and add each other's
-    partial scores every block, so q is read once per row and nothing is merged after the loop.
-    one_exchange (with dim_pair): one exchange buffer per warpgroup instead of two, each warpgroup waiting
-    before it sends a block's scores until the peer has read its last ones (the peer's warps arrive on this
-    CTA's barrier once they have), which frees 32 KB of shared memory for a fourth key stage."""
+    partial scores every block, so q is read once per row and nothing is merged after the loop."""
 
     block_s: int = 64
     stages: int = 2
@@ -101,7 +98,6 @@ class Tiling:
     push_bf16: bool = False
     tma_q: bool = False
     dim_pair: bool = False
-    one_exchange: bool = False
 
     @property
     def warpgroups(self) -> int:
@@ -134,7 +130,7 @@ def shared_bytes(k: int, w: int, t: int, tiling: Tiling) -> int:
         bs, kh = tiling.block_s, k // 2
         return (
             2 * (HEADS * kh + tiling.stages * bs * kh + 2 * HEADS * bs)
-            + 4 * _pair_exchange_floats(k, bs, tiling.one_exchange)
+            + 4 * _pair_exchange_floats(k, bs)
             + 4 * 4 * HEADS
             + 4 * ((nbw + nbt) * bs)
         )
@@ -149,10 +145,10 @@ def shared_bytes(k: int, w: int, t: int, tiling: Tiling) -> int:
     )
 
 
-def _pair_exchange_floats(k: int, bs: int, one_exchange: bool = False) -> int:
-    """The pair program's exchange buffer: both warpgroups' peer scores (double-buffered unless
-    one_exchange) in the loop; the output's bf16 rows (64 x k/2) at the end."""
-    return max((2 if one_exchange else 4) * HEADS * bs, HEADS * k // 4)
+def _pair_exchange_floats(k: int, bs: int) -> int:
+    """The pair program's exchange buffer: both warpgroups' peer scores, double-buffered, in the loop; the
+    output's bf16 rows (64 x k/2) at the end."""
+    return max(4 * HEADS * bs, HEADS * k // 4)
 
 
 def check_shapes(h: int, k: int, w: int, c: int, t: int, tiling: Tiling) -> None:
@@ -210,8 +206,6 @@ def check_shapes(h: int, k: int, w: int, c: int, t: int, tiling: Tiling) -> None
             f"dim a multiple of 32 (each warpgroup stores a quarter): got {tiling.threads} threads, nsplit "
             f"{tiling.nsplit}, merge={tiling.merge}, tma_q={tiling.tma_q}, head dim {k}"
         )
-    if tiling.one_exchange and not tiling.dim_pair:
-        raise ValueError("one_exchange is an option of dim_pair")
     if tiling.dim_pair and tiling.stages * bs < 2 * HEADS:
         raise ValueError(
             f"dim_pair swaps the f32 accumulator halves through the finished key ring: stages * block_s must "
@@ -888,7 +882,6 @@ def pair_program(b: int, h: int, k: int, w: int, c: int, t: int, scale: float, t
     bf16, f32, i32 = "bfloat16", "float32", "int32"
     Q_t, Win_t, Valid_t, Pool_t, Topk_t, Sinks_t, Out_t, *_ = _operand_types(T, b, h, k, w, c, t)
     xbytes = HEADS * bs * 4  # one warpgroup's partial scores of one block
-    one = tiling.one_exchange
 
     def softmax_state():
         """One consumer warpgroup's fragments: scores, accumulator, max, previous max, denominator, row sums,
@@ -903,7 +896,7 @@ def pair_program(b: int, h: int, k: int, w: int, c: int, t: int, scale: float, t
         """Consumer warpgroup g0 (0 or 1, `tid` its thread in [0, 128)) over key blocks g0, g0 + 2, ...; `state`:
         its `softmax_state`."""
         q_s, k_s, xs, ml, rows = shared
-        ready, free, xbar, xfree = bars
+        ready, free, xbar = bars
         s, acc, m, m_prev, l, rsum, alpha = state
         n = (nb + 1 - g0) // 2
         for hh in T.Parallel(HEADS):
@@ -914,11 +907,9 @@ def pair_program(b: int, h: int, k: int, w: int, c: int, t: int, scale: float, t
         for i in T.serial(n):
             g = 2 * i + g0
             st = g % ns
-            x = g0 if one else 2 * g0 + i % 2
+            x = 2 * g0 + i % 2
             T.barrier_wait(ready[st], (g // ns) & 1)
             T.gemm(q_s, k_s[st, :, :], s, transpose_B=True, clear_accum=True)
-            if one and i > 0:  # the peer has read this warpgroup's last scores out of its one buffer
-                T.barrier_wait(xfree[g0], (i - 1) & 1)
             T.call_extern(
                 "handle",
                 f"djax_pair_send<{HEADS * bs // 128}>",
@@ -929,27 +920,12 @@ def pair_program(b: int, h: int, k: int, w: int, c: int, t: int, scale: float, t
                 bz ^ 1,
                 tid,
             )
-            if one:
-                T.barrier_wait(xbar[x], i & 1)
-                T.call_extern(
-                    "handle",
-                    f"djax_pair_add_free<{HEADS * bs // 128}>",
-                    s.data,
-                    T.address_of(xs[0]),
-                    x,
-                    tid,
-                    xbar[x],
-                    xfree[g0],
-                    bz ^ 1,
-                    i + 1 < n,  # after the last scores nobody sends or waits for the buffer
-                )
-            else:
-                T.barrier_wait(xbar[x], (i // 2) & 1)
-                T.call_extern(
-                    "handle", f"djax_pair_add<{HEADS * bs // 128}>", s.data, T.address_of(xs[0]), x, tid
-                )
-                if tid == 0 and i + 2 < n:  # this buffer's next use: the peer sends it after our next scores
-                    T.mbarrier_arrive_expect_tx(xbar[x], xbytes)
+            T.barrier_wait(xbar[x], (i // 2) & 1)
+            T.call_extern(
+                "handle", f"djax_pair_add<{HEADS * bs // 128}>", s.data, T.address_of(xs[0]), x, tid
+            )
+            if tid == 0 and i + 2 < n:  # this buffer's next use: the peer sends it after our next scores
+                T.mbarrier_arrive_expect_tx(xbar[x], xbytes)
             softmax_step(s, rows, g * bs, m, m_prev, alpha, rsum, l)
             for hh, d in T.Parallel(HEADS, kh):
                 acc[hh, d] *= alpha[hh]
@@ -990,28 +966,25 @@ def pair_program(b: int, h: int, k: int, w: int, c: int, t: int, scale: float, t
             k_s = T.alloc_shared((ns, bs, kh), bf16)
             p0_s = T.alloc_shared((HEADS, bs), bf16)
             p1_s = T.alloc_shared((HEADS, bs), bf16)
-            xs = T.alloc_shared((_pair_exchange_floats(k, bs, one),), f32)
+            xs = T.alloc_shared((_pair_exchange_floats(k, bs),), f32)
             ml = T.alloc_shared((4 * HEADS,), f32, scope="shared")
             rows = T.alloc_shared((nb * bs,), i32, scope="shared")
             state0, state1 = softmax_state(), softmax_state()
             ready = T.alloc_barrier([128] * ns)  # the producer's 128 threads, one cp.async arrive each
             free = T.alloc_barrier([128] * ns)  # the warpgroup that took the block
-            # the peer's scores landed: [warpgroup][use parity], or with one_exchange [warpgroup]
-            xbar = T.alloc_barrier([1] * (2 if one else 4))
-            # one_exchange: the peer's 4 warps of warpgroup [g] have read the scores this CTA sent them
-            xfree = T.alloc_barrier([4] * 2) if one else None
+            xbar = T.alloc_barrier([1] * 4)  # the peer's scores landed: [warpgroup][use parity]
             tx = T.get_thread_binding()
-            shared, bars = (q_s, k_s, xs, ml, rows), (ready, free, xbar, xfree)
+            shared, bars = (q_s, k_s, xs, ml, rows), (ready, free, xbar)
 
             if tx >= 256:  # q's half needs no slot table: its copies start first and land with key block 0
                 for r, d in T.Parallel(HEADS, kh, annotations=_ASYNC):
                     q_s[r, d] = p0_q[bx, by * HEADS + r, bz * kh + d]
             fill_rows(rows, bx, p2_valid, p4_topk)
             T.sync_threads()
-            if tx == 0 or tx == 128:  # each consumer's first exchange(s) (a block of the row's each way)
-                for j in T.serial(1 if one else 2):
+            if tx == 0 or tx == 128:  # each consumer's first two exchanges (a block of the row's each way)
+                for j in T.serial(2):
                     if j < (nb + 1 - tx // 128) // 2:
-                        T.mbarrier_arrive_expect_tx(xbar[tx // 128 if one else 2 * (tx // 128) + j], xbytes)
+                        T.mbarrier_arrive_expect_tx(xbar[2 * (tx // 128) + j], xbytes)
             T.cluster_arrive()  # release: the barriers above, to the peer
 
             if tx >= 256:
@@ -1302,21 +1275,6 @@ __device__ __forceinline__ void djax_pair_add(float* s, const void* xs, int x, i
   for (int j = 0; j < NF / 4; ++j) {
     const float4 v = base[j * 128];
     s[4 * j] += v.x; s[4 * j + 1] += v.y; s[4 * j + 2] += v.z; s[4 * j + 3] += v.w;
-  }
-}
-
-template <int NF>
-__device__ __forceinline__ void djax_pair_add_free(float* s, const void* xs, int x, int tid, Barrier& landed,
-                                                   Barrier& freed, int peer, bool signal) {
-  djax_pair_add<NF>(s, xs, x, tid);
-  // the buffer's next scores: expected before any warp says it is free, so the peer's bytes find them expected
-  if (signal && tid == 0) landed.arrive_and_expect_tx(NF * 128 * 4);
-  // a thread reads only the slots its own lane of the peer wrote: once a warp is past its reads, its lane 0 tells
-  // the peer (release: the reads come first) that the warp's part of the buffer may be written again
-  __syncwarp();
-  if (signal && tid % 32 == 0) {
-    asm volatile("mbarrier.arrive.release.cluster.shared::cluster.b64 _, [%0];" ::"r"(djax_peer(&freed, peer))
-                 : "memory");
   }
 }
 

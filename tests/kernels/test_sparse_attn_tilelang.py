@@ -198,44 +198,10 @@ def test_lowering_dim_pair_kernel():
 
 
 @functools.cache
-def _lowered_pair(shape, block_s, stages, one_exchange=False):
+def _lowered_pair(shape, block_s, stages):
     from djax.kernels.sparse_attn_tilelang import Tiling, lower_cuda
 
-    return lower_cuda(
-        *shape, 0.0625, Tiling(block_s, stages, 384, 1, dim_pair=True, one_exchange=one_exchange)
-    )
-
-
-@needs_tilelang
-def test_lowering_dim_pair_one_exchange():
-    """one_exchange: one score buffer and landing barrier a warpgroup, each armed once at the start and then
-    inside `djax_pair_add_free`; before each send after its first a warpgroup waits on its own `xfree` barrier
-    (the peer's 4 warps arrive there once they have read the last scores), and every read but the last signals
-    the peer (7 blocks: warpgroup 0 signals after reads 0-2 of 4, warpgroup 1 after 0-1 of 3). At the
-    benchmark's shape the 32 KB it frees take a fourth 64-key stage within the shared memory a CTA may have."""
-    from djax.kernels.sparse_attn_tilelang import Tiling, shared_bytes
-
-    src, launch = _lowered_pair((3, 128, 512, 100, 300, 77), 32, 4, True)
-    kernel = src[src.index('extern "C" __global__ void __launch') :]
-    assert kernel.count("arrive_and_expect_tx(8192)") == 1  # the first exchange of each warpgroup
-    assert "xbar[(((int)threadIdx.x) >> 7)].arrive_and_expect_tx(8192);" in kernel
-    assert kernel.count(".init(4);") == 2 and "xbar[2]" not in kernel
-    for g, frag, tid, last in (
-        (0, "s", "((int)threadIdx.x)", 3),
-        (1, "s_1", "(((int)threadIdx.x) - 128)", 2),
-    ):
-        assert re.search(rf"if \(0 < (i_\d+)\) \{{\s+xfree\[{g}\]\.wait\(\(\(\1 - 1\) & 1\)\);", kernel)
-        assert re.search(
-            rf"djax_pair_add_free<16>\({frag}, .*, {g}, {re.escape(tid)}, xbar\[{g}\], xfree\[{g}\], "
-            rf"\(\(\(int\)blockIdx.z\) \^ 1\), \(i_\d+ < {last}\)\);",
-            kernel,
-        )
-    assert "mbarrier.arrive.release.cluster.shared::cluster.b64" in src
-    bench = Tiling(64, 4, 384, 1, dim_pair=True, one_exchange=True)
-    assert shared_bytes(512, 128, 512, bench) == shared_bytes(
-        512, 128, 512, Tiling(64, 3, 384, 1, dim_pair=True)
-    )
-    assert shared_bytes(512, 128, 512, bench) <= 226 * 1024
+    return lower_cuda(*shape, 0.0625, Tiling(block_s, stages, 384, 1, dim_pair=True))
 
 
 @needs_tilelang
@@ -298,12 +264,6 @@ def test_register_layouts_are_the_ones_push_merge_assumes():
         ((8, 64, 80, 128, 2048, 512), (64, 2, 384, 1, False, False, False, False, False, True), "dim_pair"),
         ((8, 64, 512, 128, 2048, 512), (64, 4, 384, 1, False, False, False, False, False, True), "shared"),
         ((8, 64, 512, 128, 2048, 512), (32, 3, 384, 1, False, False, False, False, False, True), "dim_pair"),
-        (
-            (8, 64, 512, 128, 2048, 512),
-            (64, 2, 384, 2, True, False, True, *[False] * 3, True),
-            "one_exchange",
-        ),
-        ((8, 64, 512, 128, 2048, 512), (64, 5, 384, 1, *[False] * 5, True, True), "shared"),
     ],
 )
 def test_unsupported_shapes_raise_value_error(shape, tiling, match):
@@ -430,29 +390,22 @@ def test_tma_q_matches_ref(shape, nsplit, merge):
 @needs_tilelang
 @pytest.mark.gpu
 @pytest.mark.parametrize(
-    "shape,block_s,stages,one",
+    "shape,block_s,stages",
     [
-        ((3, 128, 512, 100, 300, 77), 64, 2, False),  # two head groups, W and T not multiples of the block
-        ((3, 128, 512, 100, 300, 77), 64, 3, False),  # three stages: each ring slot serves both warpgroups
-        ((3, 128, 256, 100, 300, 77), 32, 4, False),  # head dim 256, 32-key blocks (7 blocks: 4 and 3)
-        ((64, 64, 512, 128, 2048, 512), 32, 8, False),
-        ((2, 64, 512, 60, 300, 5), 64, 2, False),  # one block each way
-        ((64, 64, 512, 128, 2048, 512), 64, 2, False),  # the benchmark's shape
-        ((64, 64, 512, 128, 2048, 512), 64, 3, False),
-        ((8, 64, 512, 128, 2048, 512), 64, 2, False),
-        # one exchange buffer a warpgroup: the same odd shapes, one block each way (nothing to wait for), and
-        # the benchmark's shape with the fourth stage it makes room for
-        ((3, 128, 512, 100, 300, 77), 64, 3, True),
-        ((3, 128, 256, 100, 300, 77), 32, 4, True),
-        ((2, 64, 512, 60, 300, 5), 64, 2, True),
-        ((64, 64, 512, 128, 2048, 512), 64, 4, True),
-        ((8, 64, 512, 128, 2048, 512), 64, 4, True),
+        ((3, 128, 512, 100, 300, 77), 64, 2),  # two head groups, W and T not multiples of the block
+        ((3, 128, 512, 100, 300, 77), 64, 3),  # three stages: each ring slot serves both warpgroups
+        ((3, 128, 256, 100, 300, 77), 32, 4),  # head dim 256, 32-key blocks (7 blocks: 4 and 3)
+        ((64, 64, 512, 128, 2048, 512), 32, 8),
+        ((2, 64, 512, 60, 300, 5), 64, 2),  # one block each way
+        ((64, 64, 512, 128, 2048, 512), 64, 2),  # the benchmark's shape
+        ((64, 64, 512, 128, 2048, 512), 64, 3),
+        ((8, 64, 512, 128, 2048, 512), 64, 2),
     ],
 )
-def test_dim_pair_matches_ref(shape, block_s, stages, one):
+def test_dim_pair_matches_ref(shape, block_s, stages):
     """The head dim split over a CTA pair, scores summed through the cluster every block."""
-    args = sparse_decode_inputs(shape[0] + block_s + stages + one, *shape)
-    _check(args, 512**-0.5, block_s=block_s, num_stages=stages, num_warps=12, dim_pair=True, one_exchange=one)
+    args = sparse_decode_inputs(shape[0] + block_s + stages, *shape)
+    _check(args, 512**-0.5, block_s=block_s, num_stages=stages, num_warps=12, dim_pair=True)
 
 
 @needs_tilelang
@@ -468,7 +421,6 @@ def test_tilelang_large_logits_and_ring_129():
     _check(args, 512**-0.5, block_s=64, num_stages=2, num_warps=12, nsplit=3, merge_splits="dsmem")
     _check(args, 512**-0.5, block_s=64, num_stages=2, num_warps=12, nsplit=2, merge_splits="push")
     _check(args, 512**-0.5, block_s=64, num_stages=2, num_warps=12, dim_pair=True)
-    _check(args, 512**-0.5, block_s=64, num_stages=4, num_warps=12, dim_pair=True, one_exchange=True)
 
 
 def test_default_tiling_covers_the_sms_once_and_declines_other_heads():
