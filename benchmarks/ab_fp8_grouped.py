@@ -62,10 +62,6 @@ def variants(mi, n, k):
     ]
     if live_rows < mi.size:
         out.append(("default, rows to the last group", default, live_rows))
-        exit_ = dataclasses.replace(default, exit_padding=not default.exit_padding)
-        out.append(
-            ("padding tiles exit first" if exit_.exit_padding else "padding tiles set up", exit_, mi.size)
-        )
     return out
 
 

@@ -118,11 +118,6 @@ class WsTiling:
     With groups padded to 128 rows, the last tile of a group of r rows is such a tile when r mod 128 is
     1 to 64.
 
-    `exit_padding` (the grouped program): a CTA whose tile starts on padding returns first thing, before it
-    prefetches the tensor maps, sets up its barriers and meets at the CTA barrier (as lowered it returns only
-    after those); the layouts' tiles of padding after the last group are then all but free
-    (`with_padding_exit`).
-
     With m under block_m (decode), A's TMA box (and with smem_scales its scales') spans A's m rows, not
     block_m: a box reaching past the end of A is filled slowly (at m 8, n 4096, k 7168 the decode GEMM took
     14.3-14.6 us with 64-row boxes and 9.9-10.1 with 8 on the H200). The shared rows past m are never written
@@ -142,7 +137,6 @@ class WsTiling:
     push_regs: bool = False
     cache_hints: bool = False
     half_tiles: bool = False
-    exit_padding: bool = False
 
     @property
     def consumer_wgs(self) -> int:
@@ -182,7 +176,6 @@ class WsTiling:
         tail += "_pr" if self.push_regs else ""
         tail += "_ch" if self.cache_hints else ""
         tail += "_ht" if self.half_tiles else ""
-        tail += "_xp" if self.exit_padding else ""
         return f"ws{self.block_m}x{self.block_n}s{self.stages}{tail}"
 
 
@@ -473,8 +466,6 @@ def ws_program(m: int, n: int, k: int, tiling: WsTiling, groups: int = 0):
         )
     if tiling.half_tiles and not (groups and tiling.block_m == 128 and tiling.by_rows):
         raise ValueError(f"half_tiles is for the grouped program's 128-row tiles (two warpgroups): {tiling}")
-    if tiling.exit_padding and not groups:
-        raise ValueError(f"exit_padding is for the grouped program (tiles of padding rows): {tiling}")
     if tiling.k_groups > 1:
         from djax.kernels.fp8_decode_tilelang import decode_program
 
@@ -701,8 +692,6 @@ def lower_ws(m: int, n: int, k: int, tiling: WsTiling | None = None, groups: int
         source = with_early_store(source)
     if tiling.half_tiles:
         source = with_half_tiles(source)
-    if tiling.exit_padding:
-        source = with_padding_exit(source)
     return source, launch
 
 
@@ -761,23 +750,6 @@ def _block_end(source: str, open_at: int) -> int:
         if depth == 0:
             return i + 1
     raise NotImplementedError("unbalanced braces in the lowered source")
-
-
-def with_padding_exit(source: str) -> str:
-    """The grouped program's lowered source with a tile of padding rows (m_indices -1 at its first row)
-    returning before anything else. TileLang puts the tile's check after the CTA's setup (tensor map prefetch,
-    barrier init, fence, `__syncthreads`) and the rasterised block index; here the same check on the same
-    rasterised index comes first. Every thread of the CTA reads the same value, so all of them return."""
-    setup = "  if (tl::tl_shuffle_elect<0>()) {\n    tl::prefetch_tma_descriptor("
-    raster = re.findall(r"const dim3 blockIdx = (tl::rasterization2DRow<\d+>\(\));", source)
-    if source.count(setup) != 1 or source.count(_LIVE_TILE) != 1 or len(raster) > 1:
-        raise NotImplementedError(
-            "unexpected grouped program in the lowered source: no single setup and check"
-        )
-    row = f"((int){raster[0]}.y)" if raster else "((int)blockIdx.y)"
-    at = source.index(setup)
-    exit_ = f"  if (MI[({row} * 128)] < 0) {{\n    return;  // a tile of padding: nothing to set up\n  }}\n"
-    return source[:at] + exit_ + source[at:]
 
 
 def with_half_tiles(source: str) -> str:

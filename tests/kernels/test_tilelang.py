@@ -526,33 +526,6 @@ def test_grouped_half_tiles_give_the_idle_warpgroup_a_loop_of_barriers(tmp_path,
 
 
 @needs_tilelang
-@needs_cuda_h
-@pytest.mark.parametrize("panel", [8, 0])  # the rasterised block index; blockIdx itself
-def test_grouped_padding_exit_returns_before_the_setup(panel):
-    """No GPU needed: with `exit_padding` a CTA reads m_indices at its tile's first row (the same rasterised
-    row as the lowered check) and returns before the tensor map prefetch and barrier setup; the rest of the
-    source is the plain lowering."""
-    from djax.kernels.fp8_gemm_tilelang import WsTiling, lower_ws
-
-    t = WsTiling(128, 256, 3, panel=panel, scales_ahead=True, half_tiles=True)
-    plain, _ = lower_ws(1024, 512, 1024, t, 4)
-    src, _ = lower_ws(1024, 512, 1024, dataclasses.replace(t, exit_padding=True), 4)
-    row = "((int)tl::rasterization2DRow<8>().y)" if panel else "((int)blockIdx.y)"
-    exit_ = f"  if (MI[({row} * 128)] < 0) {{\n    return;  // a tile of padding: nothing to set up\n  }}\n"
-    assert src.count(exit_) == 1 and src.replace(exit_, "") == plain
-    body = src[src.index(exit_) :]
-    assert body.index("prefetch_tma_descriptor") < body.index(".init(") < body.index("__syncthreads();")
-    assert (
-        "const dim3 blockIdx = tl::rasterization2DRow<8>();" in plain
-        if panel
-        else "rasterization" not in plain
-    )
-    assert (
-        "if (0 <= MI[(((int)blockIdx.y) * 128)]) {" in body
-    )  # the lowered check stays (it now always holds)
-
-
-@needs_tilelang
 def test_grouped_program_refuses_what_it_does_not_do():
     from djax.kernels.fp8_gemm_tilelang import WsTiling, ws_program
 
@@ -568,8 +541,6 @@ def test_grouped_program_refuses_what_it_does_not_do():
         ws_program(1024, 512, 1024, WsTiling(128, 256, 3, half_tiles=True))
     with pytest.raises(ValueError, match="half_tiles"):  # one warpgroup of 64 rows: no half to skip
         ws_program(1024, 512, 1024, WsTiling(64, 256, 3, half_tiles=True), groups=4)
-    with pytest.raises(ValueError, match="exit_padding"):  # the dense program has no padding tiles
-        ws_program(1024, 512, 1024, WsTiling(128, 256, 3, exit_padding=True))
 
 
 @needs_tilelang
