@@ -114,6 +114,35 @@ __device__ __forceinline__ float exp2_approx(float x) {
   return y;
 }
 
+// v[2 j + e] holds head 8 j + 2 (lane % 4) + e of this thread's rows: combines (op: fmaxf or a sum) each head's
+// values over the lanes of a warp (shuffles across lane / 4), then over the warpgroup's 4 warps through `red`
+// (64 floats a warp), so that every thread ends with each of its heads' values over all 64 rows
+template <class Op>
+__device__ __forceinline__ void heads_over_rows(float (&v)[16], float* red, int w, int lane, int wg, Op op) {
+#pragma unroll
+  for (int c = 0; c < 16; ++c) {
+    v[c] = op(v[c], __shfl_xor_sync(0xffffffffu, v[c], 4));
+    v[c] = op(v[c], __shfl_xor_sync(0xffffffffu, v[c], 8));
+    v[c] = op(v[c], __shfl_xor_sync(0xffffffffu, v[c], 16));
+  }
+  if (lane < 4) {
+#pragma unroll
+    for (int j = 0; j < 8; ++j)
+      *reinterpret_cast<float2*>(red + w * 64 + 8 * j + 2 * lane) = make_float2(v[2 * j], v[2 * j + 1]);
+  }
+  named_sync(2 + wg, 128);
+#pragma unroll
+  for (int j = 0; j < 8; ++j) {
+    float2 all = *reinterpret_cast<const float2*>(red + 8 * j + 2 * (lane & 3));
+#pragma unroll
+    for (int ww = 1; ww < 4; ++ww) {
+      const float2 o = *reinterpret_cast<const float2*>(red + ww * 64 + 8 * j + 2 * (lane & 3));
+      all.x = op(all.x, o.x), all.y = op(all.y, o.y);
+    }
+    v[2 * j] = all.x, v[2 * j + 1] = all.y;
+  }
+}
+
 __device__ __forceinline__ void ldsm_x4(uint32_t (&r)[4], uint32_t addr) {
   asm volatile("ldmatrix.sync.aligned.m8n8.x4.shared.b16 {%0, %1, %2, %3}, [%4];"
                : "=r"(r[0]), "=r"(r[1]), "=r"(r[2]), "=r"(r[3])
@@ -348,29 +377,12 @@ extern "C" __global__ void __launch_bounds__(384, 1) __cluster_dims__(1, 1, 2)
         s[4 * j + 2 + e] = x1;
         mx[2 * j + e] = fmaxf(x0, x1);
       }
-#pragma unroll
-    for (int c = 0; c < 16; ++c) {
-      mx[c] = fmaxf(mx[c], __shfl_xor_sync(0xffffffffu, mx[c], 4));
-      mx[c] = fmaxf(mx[c], __shfl_xor_sync(0xffffffffu, mx[c], 8));
-      mx[c] = fmaxf(mx[c], __shfl_xor_sync(0xffffffffu, mx[c], 16));
-    }
-    float* red = reinterpret_cast<float*>(smem + RED_OFF) + (wg * 2 + x) * 256;
-    if (lane < 4) {
-#pragma unroll
-      for (int j = 0; j < 8; ++j)
-        *reinterpret_cast<float2*>(red + w * 64 + 8 * j + 2 * lane) = make_float2(mx[2 * j], mx[2 * j + 1]);
-    }
-    named_sync(2 + wg, 128);
+    heads_over_rows(mx, reinterpret_cast<float*>(smem + RED_OFF) + (wg * 2 + x) * 256, w, lane, wg,
+                    [](float p, float q) { return fmaxf(p, q); });
     float alpha[16];
 #pragma unroll
     for (int j = 0; j < 8; ++j) {
-      float2 top = *reinterpret_cast<const float2*>(red + 8 * j + 2 * (lane & 3));
-#pragma unroll
-      for (int ww = 1; ww < 4; ++ww) {
-        const float2 o = *reinterpret_cast<const float2*>(red + ww * 64 + 8 * j + 2 * (lane & 3));
-        top.x = fmaxf(top.x, o.x), top.y = fmaxf(top.y, o.y);
-      }
-      const float n0 = fmaxf(m[2 * j], top.x), n1 = fmaxf(m[2 * j + 1], top.y);
+      const float n0 = fmaxf(m[2 * j], mx[2 * j]), n1 = fmaxf(m[2 * j + 1], mx[2 * j + 1]);
       alpha[2 * j] = exp2_approx(m[2 * j] - n0), alpha[2 * j + 1] = exp2_approx(m[2 * j + 1] - n1);
       m[2 * j] = n0, m[2 * j + 1] = n1;
     }
@@ -432,29 +444,8 @@ extern "C" __global__ void __launch_bounds__(384, 1) __cluster_dims__(1, 1, 2)
   }
 
   // the denominator per head over the warpgroup's rows
-#pragma unroll
-  for (int c = 0; c < 16; ++c) {
-    l[c] += __shfl_xor_sync(0xffffffffu, l[c], 4);
-    l[c] += __shfl_xor_sync(0xffffffffu, l[c], 8);
-    l[c] += __shfl_xor_sync(0xffffffffu, l[c], 16);
-  }
-  float* red = reinterpret_cast<float*>(smem + RED_OFF) + (wg * 2 + nloc % 2) * 256;
-  if (lane < 4) {
-#pragma unroll
-    for (int j = 0; j < 8; ++j)
-      *reinterpret_cast<float2*>(red + w * 64 + 8 * j + 2 * lane) = make_float2(l[2 * j], l[2 * j + 1]);
-  }
-  named_sync(2 + wg, 128);
-#pragma unroll
-  for (int j = 0; j < 8; ++j) {
-    float2 sum = make_float2(0.f, 0.f);
-#pragma unroll
-    for (int ww = 0; ww < 4; ++ww) {
-      const float2 o = *reinterpret_cast<const float2*>(red + ww * 64 + 8 * j + 2 * (lane & 3));
-      sum.x += o.x, sum.y += o.y;
-    }
-    l[2 * j] = sum.x, l[2 * j + 1] = sum.y;
-  }
+  heads_over_rows(l, reinterpret_cast<float*>(smem + RED_OFF) + (wg * 2 + nloc % 2) * 256, w, lane, wg,
+                  [](float p, float q) { return p + q; });
 
   // the two warpgroups' states: warpgroup g stores m-tiles 2 g and 2 g + 1 (dims [128 g, 128 g + 128) of the
   // CTA's half) and hands the other its two through the key ring, free once both loops are done
