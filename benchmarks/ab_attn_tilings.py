@@ -1,7 +1,7 @@
 """Sparse decode attention tilings (TileLang's, and the register-operand CUDA kernel "rs") side by side, in
 alternating rounds, so that drift within a run shows.
 
-python benchmarks/ab_attn_tilings.py [--batches 64] [--variants push,pair3] [--rounds 5] [--out DIR]
+python benchmarks/ab_attn_tilings.py [--batches 64] [--variants pair3,pair4_pie] [--rounds 5] [--out DIR]
 (CUDA GPU, tilelang importable; `--build` lowers and compiles only, no GPU needed.)
 Per batch size, at `bench_kernels.py`'s shape (64 heads x 512, ring of 128, top 512 of 2,048 pool rows): "auto"
 (the default tiling) and every chosen variant of `VARIANTS`, each checked against the reference first (a wrong
@@ -45,6 +45,9 @@ VARIANTS = {  # name -> sparse_decode's tiling arguments (on top of WS)
     "pair3": dict(nsplit=1, num_stages=3, dim_pair=True),
     "pair32_6": dict(nsplit=1, block_s=32, num_stages=6, dim_pair=True),  # 32-key blocks: more in flight
     "pair32_8": dict(nsplit=1, block_s=32, num_stages=8, dim_pair=True),
+    # each block's P in the score buffer just read: the 17 KB of P and the end's table free a fourth stage
+    "pair3_pie": dict(nsplit=1, num_stages=3, dim_pair=True, p_in_exchange=True),
+    "pair4_pie": dict(nsplit=1, num_stages=4, dim_pair=True, p_in_exchange=True),
     "rs": dict(impl="rs"),  # the CUDA kernel with the keys as wgmma's register operand (no tiling)
 }
 
@@ -68,7 +71,7 @@ def plot(result: dict, path: str) -> None:
 def main():
     p = argparse.ArgumentParser()
     p.add_argument("--batches", default="64")
-    p.add_argument("--variants", default="push,pair3", help=f"comma list of {', '.join(VARIANTS)}")
+    p.add_argument("--variants", default="pair3,pair4_pie", help=f"comma list of {', '.join(VARIANTS)}")
     args = side_by_side_args(p, 5)
     batches = [int(b) for b in args.batches.split(",")]
     chosen = {name: {**WS, **VARIANTS[name]} for name in args.variants.split(",")}
@@ -93,6 +96,7 @@ def main():
                     merge,
                     kw.get("tma_q", False),
                     kw.get("dim_pair", False),
+                    kw.get("p_in_exchange", False),
                 )
                 cuda_kernel(b, H, K, W, C, T, SCALE, tiling)
                 print("built", name, b, flush=True)

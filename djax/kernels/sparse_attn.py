@@ -37,6 +37,7 @@ def sparse_decode(
     merge_splits: bool | str = False,
     tma_q: bool = False,
     dim_pair: bool = False,
+    p_in_exchange: bool = False,
 ):
     """Decode attention over the SWA ring plus top-k picks from the compressed pool, K = V, with sinks.
 
@@ -60,6 +61,8 @@ def sparse_decode(
     multiple of 128): q comes in by TMA rather than by the producer's cp.async. `dim_pair` (12 warps, no
     splits): two CTAs per row (and 64 heads), one cluster, each taking half of the head dim over all of the
     row's keys and adding the other's partial scores every key block; no merge after the loop.
+    `p_in_exchange` (with dim_pair, block_s 64): each block's P goes into the score buffer just read, which
+    frees the shared memory for a fourth key stage.
     impl="rs" (sm_90a; q bf16, head dim 512, h a multiple of 64): the CUDA kernel with the keys as wgmma's
     register operand (`sparse_attn_rs`): half key rows by bulk copy, a CTA pair splitting the head dim as
     `dim_pair` does; the tiling arguments do not apply to it. An option, not taken by "auto": slower than
@@ -76,15 +79,16 @@ def sparse_decode(
             num_warps = tiling.threads // 32
             fields = (tiling.merge, tiling.dsmem, tiling.push, tiling.push_bf16)
             merge_splits = next(m for m, f in MERGES.items() if f == fields)
-            tma_q, dim_pair = tiling.tma_q, tiling.dim_pair
+            tma_q, dim_pair, p_in_exchange = tiling.tma_q, tiling.dim_pair, tiling.p_in_exchange
     if not isinstance(merge_splits, bool | str) or merge_splits not in MERGES:
         raise ValueError(f"merge_splits must be one of {tuple(MERGES)}, got {merge_splits!r}")
-    for name, flag in (("tma_q", tma_q), ("dim_pair", dim_pair)):
+    options = (("tma_q", tma_q), ("dim_pair", dim_pair), ("p_in_exchange", p_in_exchange))
+    for name, flag in options:
         if not isinstance(flag, bool):
             raise ValueError(f"{name} must be a bool, got {flag!r}")
     impl = resolve(impl, ("ref", "triton", "tilelang", "rs"))
     other = {"triton": "the Triton kernel", "rs": "the register-operand kernel"}.get(impl)
-    for name, flag in (("merge_splits", merge_splits), ("tma_q", tma_q), ("dim_pair", dim_pair)):
+    for name, flag in (("merge_splits", merge_splits), *options):
         if flag and other:
             raise ValueError(f"{name} is a TileLang option, which {other} does not take")
     if impl == "ref":
@@ -96,7 +100,9 @@ def sparse_decode(
     if impl == "tilelang":
         from djax.kernels.sparse_attn_tilelang import sparse_decode_tilelang
 
-        tiling = tilelang_tiling(block_s, num_stages, num_warps, nsplit, merge_splits, tma_q, dim_pair)
+        tiling = tilelang_tiling(
+            block_s, num_stages, num_warps, nsplit, merge_splits, tma_q, dim_pair, p_in_exchange
+        )
         return sparse_decode_tilelang(q, window, window_valid, pool, topk, sinks, scale, tiling)
     return _triton(
         q, window, window_valid, pool, topk, sinks, scale, block_h, block_s, num_warps, num_stages, nsplit
@@ -111,13 +117,16 @@ def tilelang_tiling(
     merge_splits: bool | str,
     tma_q: bool = False,
     dim_pair: bool = False,
+    p_in_exchange: bool = False,
 ):
     """The TileLang kernel's `Tiling` for `sparse_decode`'s arguments (stages below 2 read as 2)."""
     from djax.kernels.sparse_attn_tilelang import Tiling
 
     merge, dsmem, push, push_bf16 = MERGES[merge_splits]
     stages, threads = max(num_stages, 2), 32 * num_warps
-    return Tiling(block_s, stages, threads, nsplit, merge, dsmem, push, push_bf16, tma_q, dim_pair)
+    return Tiling(
+        block_s, stages, threads, nsplit, merge, dsmem, push, push_bf16, tma_q, dim_pair, p_in_exchange
+    )
 
 
 def _triton(

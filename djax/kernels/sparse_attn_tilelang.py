@@ -86,7 +86,11 @@ class Tiling:
     start. Measured within 1% of the cp.async form (NOTES.md), so an option.
     dim_pair (`pair_program`, 384 threads, nsplit 1): the two CTAs of a cluster each take half of the head
     dim (of q, of every key and of the output) over all of the row's key blocks, and add each other's
-    partial scores every block, so q is read once per row and nothing is merged after the loop."""
+    partial scores every block, so q is read once per row and nothing is merged after the loop.
+    p_in_exchange (with dim_pair, 64-key blocks): each warpgroup writes a block's P into the first half of the
+    exchange buffer it has just read the peer's scores from (free until the peer's scores of two blocks on),
+    and the end's max and denominator table goes there too, so P takes no shared memory of its own: the
+    16 KB and the table's 1 KB let a fourth key stage fit."""
 
     block_s: int = 64
     stages: int = 2
@@ -98,6 +102,7 @@ class Tiling:
     push_bf16: bool = False
     tma_q: bool = False
     dim_pair: bool = False
+    p_in_exchange: bool = False
 
     @property
     def warpgroups(self) -> int:
@@ -128,10 +133,11 @@ def shared_bytes(k: int, w: int, t: int, tiling: Tiling) -> int:
     nbw, nbt = _blocks(w, t, tiling.block_s)
     if tiling.dim_pair:  # half of q and of the ring, a P per warpgroup, the exchange, the max and sum tables
         bs, kh = tiling.block_s, k // 2
+        own_p = not tiling.p_in_exchange  # else P and the tables live in the exchange buffer
         return (
-            2 * (HEADS * kh + tiling.stages * bs * kh + 2 * HEADS * bs)
+            2 * (HEADS * kh + tiling.stages * bs * kh + own_p * 2 * HEADS * bs)
             + 4 * _pair_exchange_floats(k, bs)
-            + 4 * 4 * HEADS
+            + own_p * 4 * 4 * HEADS
             + 4 * ((nbw + nbt) * bs)
         )
     # the warp-specialised program's alpha and 1 / l tables, and with merge every split's weights (with
@@ -206,6 +212,11 @@ def check_shapes(h: int, k: int, w: int, c: int, t: int, tiling: Tiling) -> None
             f"dim a multiple of 32 (each warpgroup stores a quarter): got {tiling.threads} threads, nsplit "
             f"{tiling.nsplit}, merge={tiling.merge}, tma_q={tiling.tma_q}, head dim {k}"
         )
+    if tiling.p_in_exchange and not (tiling.dim_pair and bs == 64):
+        raise ValueError(
+            f"p_in_exchange is an option of dim_pair with 64-key blocks (the end's bf16 rows take two of the four "
+            f"score buffers, the max and sum table a third): got dim_pair={tiling.dim_pair}, block_s {bs}"
+        )
     if tiling.dim_pair and tiling.stages * bs < 2 * HEADS:
         raise ValueError(
             f"dim_pair swaps the f32 accumulator halves through the finished key ring: stages * block_s must "
@@ -220,8 +231,10 @@ def check_shapes(h: int, k: int, w: int, c: int, t: int, tiling: Tiling) -> None
         # Measured wrong on the H200 (b8, 10 blocks in 10 splits at 16 warps: 0.25 relative error), right
         # with 8 warps and with 2+ blocks per split at 16 warps. Not understood yet, so refused.
         raise ValueError(f"16 warps need 2+ key blocks per split: {nb} blocks in {tiling.nsplit} splits")
-    # The 2-warpgroup program reserves room for TileLang's cross-warpgroup reduction workspace.
-    limit = _SMEM_LIMIT - (1024 if tiling.ws else 4096)
+    # The 2-warpgroup program reserves room for TileLang's cross-warpgroup reduction workspace; the
+    # warp-specialised ones 1 KB (barriers and the like), except the pair program, whose lowered source holds
+    # only the arrays `shared_bytes` counts and its barriers (a CPU test checks), under the 227 KB a CTA may have.
+    limit = _SMEM_LIMIT - (0 if tiling.dim_pair else 1024 if tiling.ws else 4096) - 128 * tiling.dim_pair
     if (smem := shared_bytes(k, w, t, tiling)) > limit:
         raise ValueError(
             f"block_s {bs} x {tiling.stages} stages needs {smem} B of shared memory (> {limit} B)"
@@ -882,6 +895,7 @@ def pair_program(b: int, h: int, k: int, w: int, c: int, t: int, scale: float, t
     bf16, f32, i32 = "bfloat16", "float32", "int32"
     Q_t, Win_t, Valid_t, Pool_t, Topk_t, Sinks_t, Out_t, *_ = _operand_types(T, b, h, k, w, c, t)
     xbytes = HEADS * bs * 4  # one warpgroup's partial scores of one block
+    lean = tiling.p_in_exchange
 
     def softmax_state():
         """One consumer warpgroup's fragments: scores, accumulator, max, previous max, denominator, row sums,
@@ -899,6 +913,7 @@ def pair_program(b: int, h: int, k: int, w: int, c: int, t: int, scale: float, t
         ready, free, xbar = bars
         s, acc, m, m_prev, l, rsum, alpha = state
         n = (nb + 1 - g0) // 2
+        xs0 = T.address_of(xs[0, 0, 0] if lean else xs[0])  # the score buffers as raw memory
         for hh in T.Parallel(HEADS):
             m[hh] = sinks[by * HEADS + hh] * _LOG2E
             l[hh] = 1.0 if g0 == 0 else 0.0  # the sink's term, counted once
@@ -914,24 +929,27 @@ def pair_program(b: int, h: int, k: int, w: int, c: int, t: int, scale: float, t
                 "handle",
                 f"djax_pair_send<{HEADS * bs // 128}>",
                 s.data,
-                T.address_of(xs[0]),
+                xs0,
                 xbar[x],
                 x,
                 bz ^ 1,
                 tid,
             )
             T.barrier_wait(xbar[x], (i // 2) & 1)
-            T.call_extern(
-                "handle", f"djax_pair_add<{HEADS * bs // 128}>", s.data, T.address_of(xs[0]), x, tid
-            )
+            T.call_extern("handle", f"djax_pair_add<{HEADS * bs // 128}>", s.data, xs0, x, tid)
             if tid == 0 and i + 2 < n:  # this buffer's next use: the peer sends it after our next scores
                 T.mbarrier_arrive_expect_tx(xbar[x], xbytes)
             softmax_step(s, rows, g * bs, m, m_prev, alpha, rsum, l)
             for hh, d in T.Parallel(HEADS, kh):
                 acc[hh, d] *= alpha[hh]
-            T.copy(s, p_s)
-            T.fence_proxy_async()  # P is read by wgmma (the async proxy)
-            T.gemm(p_s, k_s[st, :, :], acc)
+            if lean:  # the buffer just read: the peer writes it again only after our next block's scores
+                T.copy(s, xs[x, :, 0:bs])
+                T.fence_proxy_async()  # P is read by wgmma (the async proxy)
+                T.gemm(xs[x, :, 0:bs], k_s[st, :, :], acc)
+            else:
+                T.copy(s, p_s)
+                T.fence_proxy_async()
+                T.gemm(p_s, k_s[st, :, :], acc)
             T.barrier_arrive(free[st])
         # the second cluster barrier: every thread arrives once its loop is done, and waits only before
         # leaving, so no CTA leaves while its scores may still be on their way to the peer
@@ -945,8 +963,8 @@ def pair_program(b: int, h: int, k: int, w: int, c: int, t: int, scale: float, t
             m.data,
             l.data,
             T.address_of(k_s[0, 0, 0]),
-            T.address_of(ml[0]),
-            T.address_of(xs[0]),
+            T.address_of(xs[2, 0, 0] if lean else ml[0]),  # lean: the third score buffer, free at the end
+            xs0,
             tid,
         )
         T.cluster_wait()
@@ -964,10 +982,14 @@ def pair_program(b: int, h: int, k: int, w: int, c: int, t: int, scale: float, t
         with T.Kernel(b, hg, 2, threads=384) as (bx, by, bz):
             q_s = T.alloc_shared((HEADS, kh), bf16)
             k_s = T.alloc_shared((ns, bs, kh), bf16)
-            p0_s = T.alloc_shared((HEADS, bs), bf16)
-            p1_s = T.alloc_shared((HEADS, bs), bf16)
-            xs = T.alloc_shared((_pair_exchange_floats(k, bs),), f32)
-            ml = T.alloc_shared((4 * HEADS,), f32, scope="shared")
+            if lean:  # four score buffers of HEADS x bs f32, seen by P as HEADS x 2 bs bf16 (first half: P)
+                p0_s = p1_s = ml = None
+                xs = T.alloc_shared((4, HEADS, 2 * bs), bf16)
+            else:
+                p0_s = T.alloc_shared((HEADS, bs), bf16)
+                p1_s = T.alloc_shared((HEADS, bs), bf16)
+                xs = T.alloc_shared((_pair_exchange_floats(k, bs),), f32)
+                ml = T.alloc_shared((4 * HEADS,), f32, scope="shared")
             rows = T.alloc_shared((nb * bs,), i32, scope="shared")
             state0, state1 = softmax_state(), softmax_state()
             ready = T.alloc_barrier([128] * ns)  # the producer's 128 threads, one cp.async arrive each
@@ -1280,9 +1302,10 @@ __device__ __forceinline__ void djax_pair_add(float* s, const void* xs, int x, i
 
 template <int KH, int K, int G>
 __device__ __forceinline__ void djax_pair_end(const bfloat16_t* out_ro, int out_at, const float* acc, const float* m,
-                                              const float* l, void* swap, float* ml, void* stage, int tid) {
+                                              const float* l, void* swap, void* ml_raw, void* stage, int tid) {
   // TileLang declares the output const: this function is the only writer it does not see
   bfloat16_t* out = const_cast<bfloat16_t*>(out_ro);
+  float* ml = static_cast<float*>(ml_raw);  // 4 x 64 floats: each warpgroup's max and denominator per head
   constexpr int H = 64, NQ = KH / 8, HALF = NQ / 2;
   const int w = tid / 32, lane = tid % 32, r0 = 16 * w + lane / 4;
   float4* x = reinterpret_cast<float4*>(swap);
@@ -1346,9 +1369,11 @@ def default_tiling(b: int, h: int, k: int, w: int, t: int) -> Tiling | None:
     """The tiling `impl="auto"` uses, or None where the kernel does not apply (then Triton runs).
 
     From the H200 sweeps (benchmarks/results/kernels_h200_attn_q_early.json, _attn_b8_b32_run1/2.json,
-    _attn_dsmem.json, attn_tilings_h200_push_ab.json, _dim_pair_ab.json): the warp-specialised program with
-    64-key steps, the grid covering the 132 SMs about once. Where that takes two CTAs per row, the pair
-    splitting the head dim in 3 stages (b64: 23.04-23.30 us against 23.47-23.65 for two key splits pushing
+    _attn_dsmem.json, attn_tilings_h200_push_ab.json, _dim_pair_ab.json, _p_in_exchange_ab.json): the
+    warp-specialised program with 64-key steps, the grid covering the 132 SMs about once. Where that takes two
+    CTAs per row, the pair splitting the head dim, for head dims of 256 and more with each block's P in the
+    score buffer just read and 4 stages (b64: 22.55-22.72 us in four of five alternating rounds, 23.79 in one,
+    against 23.17-23.28 in 3 stages with P of its own), else in 3 stages (b64: 23.04-23.30 us against 23.47-23.65 for two key splits pushing
     each other's halves, five alternating rounds; 23.23-23.36 against 23.50-23.57 in the run before; the
     push had been 23.73-23.80 us against 23.95-24.11 through distributed shared memory, and that 23.8 us
     against 28.2 through global memory and 30.1 merged after), and for head dims the pair does not take
@@ -1365,7 +1390,10 @@ def default_tiling(b: int, h: int, k: int, w: int, t: int) -> Tiling | None:
     if nsplit > _MAX_CLUSTER and ctas * _MAX_CLUSTER <= H200_SMS:
         candidates = [Tiling(64, 2, 384, _MAX_CLUSTER, merge=True)]
     elif nsplit == 2:
-        candidates = [Tiling(64, 3, 384, 1, dim_pair=True), Tiling(64, 2, 384, 2, merge=True)]
+        # P in the score buffers: measured at head dim 512, run on the GPU at 256 and 512 (smaller heads keep
+        # P of their own: with their small key stages shared memory does not bound the ring)
+        lean = [Tiling(64, 4, 384, 1, dim_pair=True, p_in_exchange=True)] if k >= 256 else []
+        candidates = [*lean, Tiling(64, 3, 384, 1, dim_pair=True), Tiling(64, 2, 384, 2, merge=True)]
     else:
         candidates = [Tiling(64, 2, 384, nsplit)]
     for tiling in [*candidates, Tiling(64, 2, 256, nsplit)]:

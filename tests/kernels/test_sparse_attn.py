@@ -114,6 +114,10 @@ def test_public_op_auto_is_ref_on_cpu():
         sparse_decode(*args, scale=0.3, impl="triton", dim_pair=True)
     with pytest.raises(ValueError, match="dim_pair must be a bool"):
         sparse_decode(*args, scale=0.3, impl="tilelang", dim_pair="yes")
+    with pytest.raises(ValueError, match="p_in_exchange is a TileLang option"):
+        sparse_decode(*args, scale=0.3, impl="triton", p_in_exchange=True)
+    with pytest.raises(ValueError, match="p_in_exchange must be a bool"):
+        sparse_decode(*args, scale=0.3, impl="tilelang", dim_pair=True, p_in_exchange=1)
 
 
 def test_kernel_operands_cast_and_reject_inconsistent_shapes():

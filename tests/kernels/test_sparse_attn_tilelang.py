@@ -198,10 +198,39 @@ def test_lowering_dim_pair_kernel():
 
 
 @functools.cache
-def _lowered_pair(shape, block_s, stages):
+def _lowered_pair(shape, block_s, stages, pie=False):
     from djax.kernels.sparse_attn_tilelang import Tiling, lower_cuda
 
-    return lower_cuda(*shape, 0.0625, Tiling(block_s, stages, 384, 1, dim_pair=True))
+    return lower_cuda(*shape, 0.0625, Tiling(block_s, stages, 384, 1, dim_pair=True, p_in_exchange=pie))
+
+
+@needs_tilelang
+def test_lowering_dim_pair_p_in_exchange():
+    """p_in_exchange: no P buffers and no max/sum table of their own; each warpgroup writes a block's P into
+    the first 8 KB of the score buffer it has just read (warpgroup 0's buffers 0-1, 1's 2-3, by the block's
+    parity) and its P K wgmma reads it there; the end's table is the third buffer. At the benchmark's shape the
+    fourth stage fits: the only static shared arrays are the slot table and the barriers, and the whole is
+    within the 227 KB a CTA may have."""
+    from djax.kernels.sparse_attn_tilelang import Tiling, shared_bytes
+
+    src, launch = _lowered_pair((64, 64, 512, 128, 2048, 512), 64, 4, True)
+    kernel = src[src.index('extern "C" __global__ void __launch') :]
+    assert "p0_s" not in kernel and "ml[" not in kernel
+    statics = re.findall(r"__shared__ __align__\(\d+\) (\w+) (\w+)\[(\d+)\];", kernel)
+    assert {name for _, name, _ in statics} == {"ready_mem", "free_mem", "xbar_mem", "rows"}
+    static_bytes = sum(int(n) * (8 if ty == "uint64_t" else 4) for ty, _, n in statics)
+    assert launch["shared_bytes"] == 2 * (64 * 256 + 4 * 64 * 256) + 4 * 64 * 64 * 4  # q, 4 stages, scores
+    assert launch["shared_bytes"] + static_bytes <= 227 * 1024
+    for g, buffer in ((0, "(i_6 & 1)"), (1, "((i_15 & 1) + 2)")):
+        offset = "(i_6 & 1) * 16384" if g == 0 else "((i_15 & 1) * 16384) + 32768"
+        assert f"tl::increase_descriptor_offset<int>(desc_a_{2 * g + 1}, ({offset}));" in kernel, g
+        assert f"djax_pair_add<32>(s{'_1' if g else ''}, xs0{'_1' if g else ''}, {buffer}," in kernel
+        assert f"djax_pair_end<256, 512, {g}>(" in kernel
+    assert kernel.count("(&(((bfloat16_t*)xs)[16384])), xs0") == 2  # the table at byte 32768, staging at 0
+    plain = Tiling(64, 3, 384, 1, dim_pair=True)
+    assert shared_bytes(512, 128, 512, Tiling(64, 3, 384, 1, dim_pair=True, p_in_exchange=True)) == (
+        shared_bytes(512, 128, 512, plain) - 2 * 2 * 64 * 64 - 4 * 4 * 64
+    )
 
 
 @needs_tilelang
@@ -264,6 +293,13 @@ def test_register_layouts_are_the_ones_push_merge_assumes():
         ((8, 64, 80, 128, 2048, 512), (64, 2, 384, 1, False, False, False, False, False, True), "dim_pair"),
         ((8, 64, 512, 128, 2048, 512), (64, 4, 384, 1, False, False, False, False, False, True), "shared"),
         ((8, 64, 512, 128, 2048, 512), (32, 3, 384, 1, False, False, False, False, False, True), "dim_pair"),
+        ((8, 64, 512, 128, 2048, 512), (32, 6, 384, 1, *[False] * 5, True, True), "p_in_exchange"),
+        (
+            (8, 64, 512, 128, 2048, 512),
+            (64, 2, 384, 2, True, False, True, *[False] * 3, True),
+            "p_in_exchange",
+        ),
+        ((8, 64, 512, 128, 2048, 512), (64, 5, 384, 1, *[False] * 5, True, True), "shared"),
     ],
 )
 def test_unsupported_shapes_raise_value_error(shape, tiling, match):
@@ -390,22 +426,32 @@ def test_tma_q_matches_ref(shape, nsplit, merge):
 @needs_tilelang
 @pytest.mark.gpu
 @pytest.mark.parametrize(
-    "shape,block_s,stages",
+    "shape,block_s,stages,pie",
     [
-        ((3, 128, 512, 100, 300, 77), 64, 2),  # two head groups, W and T not multiples of the block
-        ((3, 128, 512, 100, 300, 77), 64, 3),  # three stages: each ring slot serves both warpgroups
-        ((3, 128, 256, 100, 300, 77), 32, 4),  # head dim 256, 32-key blocks (7 blocks: 4 and 3)
-        ((64, 64, 512, 128, 2048, 512), 32, 8),
-        ((2, 64, 512, 60, 300, 5), 64, 2),  # one block each way
-        ((64, 64, 512, 128, 2048, 512), 64, 2),  # the benchmark's shape
-        ((64, 64, 512, 128, 2048, 512), 64, 3),
-        ((8, 64, 512, 128, 2048, 512), 64, 2),
+        ((3, 128, 512, 100, 300, 77), 64, 2, False),  # two head groups, W and T not multiples of the block
+        ((3, 128, 512, 100, 300, 77), 64, 3, False),  # three stages: each ring slot serves both warpgroups
+        ((3, 128, 256, 100, 300, 77), 32, 4, False),  # head dim 256, 32-key blocks (7 blocks: 4 and 3)
+        ((64, 64, 512, 128, 2048, 512), 32, 8, False),
+        ((2, 64, 512, 60, 300, 5), 64, 2, False),  # one block each way
+        ((64, 64, 512, 128, 2048, 512), 64, 2, False),  # the benchmark's shape
+        ((64, 64, 512, 128, 2048, 512), 64, 3, False),
+        ((8, 64, 512, 128, 2048, 512), 64, 2, False),
+        # P in the score buffer just read: the odd shapes (head dims 512 and 256), one block each way, the
+        # model's ring of 129, and the benchmark's shape with the fourth stage it makes room for
+        ((3, 128, 512, 100, 300, 77), 64, 3, True),
+        ((3, 128, 256, 100, 300, 77), 64, 4, True),
+        ((2, 64, 512, 60, 300, 5), 64, 2, True),
+        ((4, 64, 512, 129, 1000, 512), 64, 4, True),
+        ((64, 64, 512, 128, 2048, 512), 64, 4, True),
+        ((8, 64, 512, 128, 2048, 512), 64, 4, True),
     ],
 )
-def test_dim_pair_matches_ref(shape, block_s, stages):
+def test_dim_pair_matches_ref(shape, block_s, stages, pie):
     """The head dim split over a CTA pair, scores summed through the cluster every block."""
-    args = sparse_decode_inputs(shape[0] + block_s + stages, *shape)
-    _check(args, 512**-0.5, block_s=block_s, num_stages=stages, num_warps=12, dim_pair=True)
+    args = sparse_decode_inputs(shape[0] + block_s + stages + pie, *shape)
+    _check(
+        args, 512**-0.5, block_s=block_s, num_stages=stages, num_warps=12, dim_pair=True, p_in_exchange=pie
+    )
 
 
 @needs_tilelang
@@ -421,15 +467,19 @@ def test_tilelang_large_logits_and_ring_129():
     _check(args, 512**-0.5, block_s=64, num_stages=2, num_warps=12, nsplit=3, merge_splits="dsmem")
     _check(args, 512**-0.5, block_s=64, num_stages=2, num_warps=12, nsplit=2, merge_splits="push")
     _check(args, 512**-0.5, block_s=64, num_stages=2, num_warps=12, dim_pair=True)
+    _check(args, 512**-0.5, block_s=64, num_stages=4, num_warps=12, dim_pair=True, p_in_exchange=True)
 
 
 def test_default_tiling_covers_the_sms_once_and_declines_other_heads():
     from djax.kernels.sparse_attn_tilelang import default_tiling
 
     b64, b8 = default_tiling(64, 64, 512, 128, 512), default_tiling(8, 64, 512, 128, 512)
-    # warp-specialised, 128 CTAs: a pair per row splitting the head dim, 3 stages of 64 keys
-    assert (b64.block_s, b64.stages, b64.threads, b64.nsplit, b64.dim_pair) == (64, 3, 384, 1, True)
+    # warp-specialised, 128 CTAs: a pair per row splitting the head dim, P in the score buffers, 4 stages of 64 keys
+    assert (b64.block_s, b64.stages, b64.threads, b64.nsplit, b64.dim_pair) == (64, 4, 384, 1, True)
+    assert b64.p_in_exchange
     assert default_tiling(64, 64, 96, 128, 512).dim_pair  # any head dim that is a multiple of 32
+    small = default_tiling(64, 64, 64, 128, 512)  # the tiny models' heads: P of its own, 3 stages
+    assert (small.dim_pair, small.stages, small.p_in_exchange) == (True, 3, False)
     gmem = default_tiling(64, 64, 80, 128, 512)  # head dim 80: two key splits merged through global memory
     assert (gmem.nsplit, gmem.merge, gmem.push, gmem.dim_pair) == (2, True, False, False)
     assert default_tiling(128, 64, 512, 128, 512).nsplit == 1  # 128 rows fill the SMs alone
