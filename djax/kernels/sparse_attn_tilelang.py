@@ -131,15 +131,15 @@ def _blocks(w: int, t: int, block_s: int) -> tuple[int, int]:
 def shared_bytes(k: int, w: int, t: int, tiling: Tiling) -> int:
     """Shared memory the program asks for: q, the key ring, P, the per-slot row table (static shared)."""
     nbw, nbt = _blocks(w, t, tiling.block_s)
-    if tiling.dim_pair:  # half of q and of the ring, a P per warpgroup, the exchange, the max and sum tables
+    if tiling.dim_pair:
         bs, kh = tiling.block_s, k // 2
-        own_p = not tiling.p_in_exchange  # else P and the tables live in the exchange buffer
-        return (
-            2 * (HEADS * kh + tiling.stages * bs * kh + own_p * 2 * HEADS * bs)
-            + 4 * _pair_exchange_floats(k, bs)
-            + own_p * 4 * 4 * HEADS
-            + 4 * ((nbw + nbt) * bs)
-        )
+        own_p = not tiling.p_in_exchange  # else P and the max and sum table live in the exchange buffer
+        # half of q and of the ring, a P per warpgroup, the exchange
+        ring = tiling.stages * bs * kh
+        dynamic = 2 * (HEADS * kh + ring + own_p * 2 * HEADS * bs) + 4 * _pair_exchange_floats(k, bs)
+        # the slot table, the max and sum table and the barriers, which ptxas rounds up to whole kilobytes
+        static = 4 * (nbw + nbt) * bs + own_p * 4 * 4 * HEADS + 8 * (2 * tiling.stages + 4)
+        return dynamic + -(-static // 1024) * 1024
     # the warp-specialised program's alpha and 1 / l tables, and with merge every split's weights (with
     # push: the max and denominator per head, and the peer's, 4 floats per 2 heads)
     per_merge = 4 if tiling.push else tiling.nsplit
@@ -231,10 +231,10 @@ def check_shapes(h: int, k: int, w: int, c: int, t: int, tiling: Tiling) -> None
         # Measured wrong on the H200 (b8, 10 blocks in 10 splits at 16 warps: 0.25 relative error), right
         # with 8 warps and with 2+ blocks per split at 16 warps. Not understood yet, so refused.
         raise ValueError(f"16 warps need 2+ key blocks per split: {nb} blocks in {tiling.nsplit} splits")
-    # The 2-warpgroup program reserves room for TileLang's cross-warpgroup reduction workspace; the
-    # warp-specialised ones 1 KB (barriers and the like), except the pair program, whose lowered source holds
-    # only the arrays `shared_bytes` counts and its barriers (a CPU test checks), under the 227 KB a CTA may have.
-    limit = _SMEM_LIMIT - (0 if tiling.dim_pair else 1024 if tiling.ws else 4096) - 128 * tiling.dim_pair
+    # The 2-warpgroup program reserves room for TileLang's cross-warpgroup reduction workspace, the other
+    # warp-specialised ones 1 KB for their barriers; the pair program's count is the whole (a CPU test checks
+    # it against the lowered source).
+    limit = _SMEM_LIMIT - (0 if tiling.dim_pair else 1024 if tiling.ws else 4096)
     if (smem := shared_bytes(k, w, t, tiling)) > limit:
         raise ValueError(
             f"block_s {bs} x {tiling.stages} stages needs {smem} B of shared memory (> {limit} B)"
@@ -1373,11 +1373,12 @@ def default_tiling(b: int, h: int, k: int, w: int, t: int) -> Tiling | None:
     warp-specialised program with 64-key steps, the grid covering the 132 SMs about once. Where that takes two
     CTAs per row, the pair splitting the head dim, for head dims of 256 and more with each block's P in the
     score buffer just read and 4 stages (b64: 22.55-22.72 us in four of five alternating rounds, 23.79 in one,
-    against 23.17-23.28 in 3 stages with P of its own), else in 3 stages (b64: 23.04-23.30 us against 23.47-23.65 for two key splits pushing
-    each other's halves, five alternating rounds; 23.23-23.36 against 23.50-23.57 in the run before; the
-    push had been 23.73-23.80 us against 23.95-24.11 through distributed shared memory, and that 23.8 us
-    against 28.2 through global memory and 30.1 merged after), and for head dims the pair does not take
-    (not a multiple of 32) two key splits merged in the kernel through global memory.
+    against 23.17-23.28 in 3 stages with P of its own), else in 3 stages (b64: 23.04-23.30 us against
+    23.47-23.65 for two key splits pushing each other's halves, five alternating rounds; 23.23-23.36 against
+    23.50-23.57 in the run before; the push had been 23.73-23.80 us against 23.95-24.11 through distributed
+    shared memory, and that 23.8 us against 28.2 through global memory and 30.1 merged after), and for head
+    dims the pair does not take (not a multiple of 32) two key splits merged in the kernel through global
+    memory.
     Where more than 8 splits would be taken, 8 merged through global memory (b8: 13.3-13.4 us against
     14.0-14.6 for 10 merged after, three runs; 14.7 through distributed shared memory). Clusters of 4 did
     not fit (b32, 4 splits merged 33.2-34.2 us against 21.1-21.5 merged after), so 3 to 8 splits merge

@@ -220,16 +220,21 @@ def test_lowering_dim_pair_p_in_exchange():
     assert {name for _, name, _ in statics} == {"ready_mem", "free_mem", "xbar_mem", "rows"}
     static_bytes = sum(int(n) * (8 if ty == "uint64_t" else 4) for ty, _, n in statics)
     assert launch["shared_bytes"] == 2 * (64 * 256 + 4 * 64 * 256) + 4 * 64 * 64 * 4  # q, 4 stages, scores
-    assert launch["shared_bytes"] + static_bytes <= 227 * 1024
+    # the count check_shapes holds against the 227 KB a CTA may have: the static part rounded up to 1 KB (as
+    # ptxas reports it: 3,072 bytes here)
+    whole = shared_bytes(512, 128, 512, Tiling(64, 4, 384, 1, dim_pair=True, p_in_exchange=True))
+    assert whole == launch["shared_bytes"] + -(-static_bytes // 1024) * 1024 == 227 * 1024
     for g, buffer in ((0, "(i_6 & 1)"), (1, "((i_15 & 1) + 2)")):
         offset = "(i_6 & 1) * 16384" if g == 0 else "((i_15 & 1) * 16384) + 32768"
         assert f"tl::increase_descriptor_offset<int>(desc_a_{2 * g + 1}, ({offset}));" in kernel, g
         assert f"djax_pair_add<32>(s{'_1' if g else ''}, xs0{'_1' if g else ''}, {buffer}," in kernel
         assert f"djax_pair_end<256, 512, {g}>(" in kernel
     assert kernel.count("(&(((bfloat16_t*)xs)[16384])), xs0") == 2  # the table at byte 32768, staging at 0
-    plain = Tiling(64, 3, 384, 1, dim_pair=True)
-    assert shared_bytes(512, 128, 512, Tiling(64, 3, 384, 1, dim_pair=True, p_in_exchange=True)) == (
-        shared_bytes(512, 128, 512, plain) - 2 * 2 * 64 * 64 - 4 * 4 * 64
+    plain_src, plain = _lowered_pair((64, 64, 512, 128, 2048, 512), 64, 3)
+    plain_statics = re.findall(r"__shared__ __align__\(\d+\) (\w+) (\w+)\[(\d+)\];", plain_src)
+    plain_static = sum(int(n) * (8 if ty == "uint64_t" else 4) for ty, _, n in plain_statics)  # with ml
+    assert shared_bytes(512, 128, 512, Tiling(64, 3, 384, 1, dim_pair=True)) == (
+        plain["shared_bytes"] + -(-plain_static // 1024) * 1024
     )
 
 
