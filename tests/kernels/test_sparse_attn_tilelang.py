@@ -204,6 +204,14 @@ def _lowered_pair(shape, block_s, stages, pie=False):
     return lower_cuda(*shape, 0.0625, Tiling(block_s, stages, 384, 1, dim_pair=True, p_in_exchange=pie))
 
 
+def _static_shared(source):
+    """The names of a lowered kernel's static shared arrays and their bytes (int, float and uint64_t arrays)."""
+    arrays = re.findall(r"__shared__ __align__\(\d+\) (\w+) (\w+)\[(\d+)\];", source)
+    return {name for _, name, _ in arrays}, sum(
+        int(n) * (8 if ty == "uint64_t" else 4) for ty, _, n in arrays
+    )
+
+
 @needs_tilelang
 def test_lowering_dim_pair_p_in_exchange():
     """p_in_exchange: no P buffers and no max/sum table of their own; each warpgroup writes a block's P into
@@ -216,9 +224,8 @@ def test_lowering_dim_pair_p_in_exchange():
     src, launch = _lowered_pair((64, 64, 512, 128, 2048, 512), 64, 4, True)
     kernel = src[src.index('extern "C" __global__ void __launch') :]
     assert "p0_s" not in kernel and "ml[" not in kernel
-    statics = re.findall(r"__shared__ __align__\(\d+\) (\w+) (\w+)\[(\d+)\];", kernel)
-    assert {name for _, name, _ in statics} == {"ready_mem", "free_mem", "xbar_mem", "rows"}
-    static_bytes = sum(int(n) * (8 if ty == "uint64_t" else 4) for ty, _, n in statics)
+    names, static_bytes = _static_shared(kernel)
+    assert names == {"ready_mem", "free_mem", "xbar_mem", "rows"}
     assert launch["shared_bytes"] == 2 * (64 * 256 + 4 * 64 * 256) + 4 * 64 * 64 * 4  # q, 4 stages, scores
     # the count check_shapes holds against the 227 KB a CTA may have: the static part rounded up to 1 KB (as
     # ptxas reports it: 3,072 bytes here)
@@ -231,8 +238,7 @@ def test_lowering_dim_pair_p_in_exchange():
         assert f"djax_pair_end<256, 512, {g}>(" in kernel
     assert kernel.count("(&(((bfloat16_t*)xs)[16384])), xs0") == 2  # the table at byte 32768, staging at 0
     plain_src, plain = _lowered_pair((64, 64, 512, 128, 2048, 512), 64, 3)
-    plain_statics = re.findall(r"__shared__ __align__\(\d+\) (\w+) (\w+)\[(\d+)\];", plain_src)
-    plain_static = sum(int(n) * (8 if ty == "uint64_t" else 4) for ty, _, n in plain_statics)  # with ml
+    plain_static = _static_shared(plain_src)[1]  # the max and sum table among them
     assert shared_bytes(512, 128, 512, Tiling(64, 3, 384, 1, dim_pair=True)) == (
         plain["shared_bytes"] + -(-plain_static // 1024) * 1024
     )
