@@ -2,19 +2,18 @@
 alternating rounds, so that drift within a run shows.
 
 python benchmarks/ab_attn_tilings.py [--batches 64] [--variants pair3,pair4_pie] [--rounds 5] [--out DIR]
-(CUDA GPU, tilelang importable; `--build` lowers and compiles only, no GPU needed.)
+(CUDA GPU, tilelang importable; `--build` lowers and compiles only, no GPU needed; `--plot JSON` draws only.)
 Per batch size, at `bench_kernels.py`'s shape (64 heads x 512, ring of 128, top 512 of 2,048 pool rows): "auto"
 (the default tiling) and every chosen variant of `VARIANTS`, each checked against the reference first (a wrong
 one is recorded and not timed), then `--rounds` rounds each timing every variant once, each round starting
 with the next variant (device time from a profiler trace, `bench_kernels.bench`, over input sets that rotate
-so repeats miss L2). Writes
-attn_tilings_ab.json under --out (rewritten after every round) and its PNG (per batch, each variant's rounds
-as dots on its bar of the median, as a fraction of the copy bandwidth measured in the same run).
+so repeats miss L2). Writes attn_tilings_ab.json under --out and its PNG (per batch, each variant's rounds as
+dots on its bar of the median, as a fraction of the copy bandwidth measured in the same run), both rewritten
+after every round; `--plot JSON` only draws an earlier run's PNG beside it.
 """
 
 import argparse
 import functools
-import json
 import os
 import sys
 import time
@@ -23,7 +22,7 @@ sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 import jax  # noqa: E402
 import jax.numpy as jnp  # noqa: E402
 import numpy as np  # noqa: E402
-from ab_plot import one_round, side_by_side_args  # noqa: E402
+from ab_plot import one_round, save, side_by_side_args  # noqa: E402
 
 from djax.kernels.sparse_attn import sparse_decode  # noqa: E402
 
@@ -72,7 +71,9 @@ def main():
     p = argparse.ArgumentParser()
     p.add_argument("--batches", default="64")
     p.add_argument("--variants", default="pair3,pair4_pie", help=f"comma list of {', '.join(VARIANTS)}")
-    args = side_by_side_args(p, 5)
+    args = side_by_side_args(p, 5, plot)
+    if args is None:
+        return
     batches = [int(b) for b in args.batches.split(",")]
     chosen = {name: {**WS, **VARIANTS[name]} for name in args.variants.split(",")}
     if args.build:
@@ -87,17 +88,7 @@ def main():
                     rs_kernel(H, W, C, T, SCALE)
                     print("built", name, b, flush=True)
                     continue
-                merge = kw.get("merge_splits", False)
-                tiling = tilelang_tiling(
-                    kw["block_s"],
-                    kw["num_stages"],
-                    kw["num_warps"],
-                    kw["nsplit"],
-                    merge,
-                    kw.get("tma_q", False),
-                    kw.get("dim_pair", False),
-                    kw.get("p_in_exchange", False),
-                )
+                tiling = tilelang_tiling(**{k: v for k, v in kw.items() if k != "impl"})
                 cuda_kernel(b, H, K, W, C, T, SCALE, tiling)
                 print("built", name, b, flush=True)
         return
@@ -138,9 +129,7 @@ def main():
             row["rounds"].append(times := one_round(timed, r))
             of_copy = {n: round(nbytes / (us * 1e-6) / bw, 4) for n, us in times.items()}
             print(b, "round", r, times, "of copy", of_copy, flush=True)
-            with open(os.path.join(args.out, "attn_tilings_ab.json"), "w") as f:
-                json.dump(res, f, indent=1)
-        plot(res, os.path.join(args.out, "attn_tilings_ab.png"))
+            save(res, args.out, "attn_tilings_ab", plot)
 
 
 if __name__ == "__main__":

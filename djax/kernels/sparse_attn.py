@@ -70,22 +70,22 @@ def sparse_decode(
     Unsupported shapes raise ValueError.
     """
     shapes.sparse_decode(q, window, window_valid, pool, topk, sinks)
-    if impl == "auto" and q.dtype == jnp.bfloat16 and on_cuda() and has_tilelang():
-        from djax.kernels.sparse_attn_tilelang import default_tiling
-
-        tiling = default_tiling(q.shape[0], q.shape[1], q.shape[2], window.shape[1], topk.shape[1])
-        if tiling is not None:
-            impl, block_s, num_stages, nsplit = "tilelang", tiling.block_s, tiling.stages, tiling.nsplit
-            num_warps = tiling.threads // 32
-            fields = (tiling.merge, tiling.dsmem, tiling.push, tiling.push_bf16)
-            merge_splits = next(m for m, f in MERGES.items() if f == fields)
-            tma_q, dim_pair, p_in_exchange = tiling.tma_q, tiling.dim_pair, tiling.p_in_exchange
     if not isinstance(merge_splits, bool | str) or merge_splits not in MERGES:
         raise ValueError(f"merge_splits must be one of {tuple(MERGES)}, got {merge_splits!r}")
     options = (("tma_q", tma_q), ("dim_pair", dim_pair), ("p_in_exchange", p_in_exchange))
     for name, flag in options:
         if not isinstance(flag, bool):
             raise ValueError(f"{name} must be a bool, got {flag!r}")
+    if impl == "auto" and q.dtype == jnp.bfloat16 and on_cuda() and has_tilelang():
+        from djax.kernels import sparse_attn_tilelang
+
+        tiling = sparse_attn_tilelang.default_tiling(
+            q.shape[0], q.shape[1], q.shape[2], window.shape[1], topk.shape[1]
+        )
+        if tiling is not None:
+            return sparse_attn_tilelang.sparse_decode_tilelang(
+                q, window, window_valid, pool, topk, sinks, scale, tiling
+            )
     impl = resolve(impl, ("ref", "triton", "tilelang", "rs"))
     other = {"triton": "the Triton kernel", "rs": "the register-operand kernel"}.get(impl)
     for name, flag in (("merge_splits", merge_splits), *options):
@@ -100,9 +100,7 @@ def sparse_decode(
     if impl == "tilelang":
         from djax.kernels.sparse_attn_tilelang import sparse_decode_tilelang
 
-        tiling = tilelang_tiling(
-            block_s, num_stages, num_warps, nsplit, merge_splits, tma_q, dim_pair, p_in_exchange
-        )
+        tiling = tilelang_tiling(block_s, num_stages, num_warps, nsplit, merge_splits, **dict(options))
         return sparse_decode_tilelang(q, window, window_valid, pool, topk, sinks, scale, tiling)
     return _triton(
         q, window, window_valid, pool, topk, sinks, scale, block_h, block_s, num_warps, num_stages, nsplit
@@ -113,20 +111,17 @@ def tilelang_tiling(
     block_s: int,
     num_stages: int,
     num_warps: int,
-    nsplit: int,
-    merge_splits: bool | str,
-    tma_q: bool = False,
-    dim_pair: bool = False,
-    p_in_exchange: bool = False,
+    nsplit: int = 1,
+    merge_splits: bool | str = False,
+    **options: bool,
 ):
-    """The TileLang kernel's `Tiling` for `sparse_decode`'s arguments (stages below 2 read as 2)."""
+    """The TileLang kernel's `Tiling` for `sparse_decode`'s arguments (stages below 2 read as 2); `options`:
+    its boolean fields by name (tma_q, dim_pair, p_in_exchange)."""
     from djax.kernels.sparse_attn_tilelang import Tiling
 
     merge, dsmem, push, push_bf16 = MERGES[merge_splits]
     stages, threads = max(num_stages, 2), 32 * num_warps
-    return Tiling(
-        block_s, stages, threads, nsplit, merge, dsmem, push, push_bf16, tma_q, dim_pair, p_in_exchange
-    )
+    return Tiling(block_s, stages, threads, nsplit, merge, dsmem, push, push_bf16, **options)
 
 
 def _triton(

@@ -120,6 +120,29 @@ def test_public_op_auto_is_ref_on_cpu():
         sparse_decode(*args, scale=0.3, impl="tilelang", dim_pair=True, p_in_exchange=1)
 
 
+def test_auto_on_cuda_hands_the_default_tiling_to_tilelang(monkeypatch):
+    """No GPU needed: where the TileLang kernel applies, "auto" passes `default_tiling`'s own Tiling (every
+    field, the pair's options among them) to the TileLang launcher, and nothing where it does not (32 heads)."""
+    pytest.importorskip("tilelang")
+    from djax.kernels import sparse_attn, sparse_attn_tilelang
+
+    monkeypatch.setattr(sparse_attn, "on_cuda", lambda: True)
+    monkeypatch.setattr(sparse_attn, "has_tilelang", lambda: True)
+    used = []
+    monkeypatch.setattr(sparse_attn_tilelang, "sparse_decode_tilelang", lambda *a: used.append(a[-1]) or "tl")
+    rng = np.random.default_rng(12)
+
+    def bf16_inputs(h):  # q and keys bf16 (what "auto" hands to the kernels), the sinks f32
+        q, win, valid, pool, topk, sinks = _inputs(rng, 64, h, 512, 128, 300, 64)
+        keys = [jnp.asarray(x, jnp.bfloat16) for x in (q, win)] + [jnp.asarray(valid)]
+        return *keys, jnp.asarray(pool, jnp.bfloat16), jnp.asarray(topk), jnp.asarray(sinks)
+
+    assert sparse_decode(*bf16_inputs(64), scale=0.3) == "tl"
+    assert used == [sparse_attn_tilelang.default_tiling(64, 64, 512, 128, 64)] and used[0].p_in_exchange
+    # 32 heads: not TileLang's; `resolve` takes it on (Triton on a GPU, here the reference)
+    assert sparse_decode(*bf16_inputs(32), scale=0.3).shape == (64, 32, 512) and len(used) == 1
+
+
 def test_kernel_operands_cast_and_reject_inconsistent_shapes():
     from djax.kernels.sparse_attn import kernel_operands
 
