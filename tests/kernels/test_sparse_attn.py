@@ -96,6 +96,23 @@ def test_triton_interpreted_matches_ref(b, h, k, w, c, t, bh, bs, ns):
     assert np.all(out.numpy()[-1] == 0)
 
 
+@needs_triton_interp
+def test_triton_interpreted_ignores_nan_in_masked_ring_slots():
+    """A ring slot marked not valid may hold anything (a stale cache row): NaN there never reaches P @ K."""
+    import torch
+
+    from djax.kernels.sparse_attn_triton import launch_torch
+
+    q, win, valid, pool, topk, sinks = _inputs(np.random.default_rng(5), 3, 16, 32, 13, 40, 21)
+    poisoned = np.where(valid[..., None], win, np.nan).astype(win.dtype)
+    args = (q, poisoned, valid, pool, topk, sinks)
+    out = launch_torch(*map(torch.from_numpy, args), scale=32**-0.5, block_h=16, block_s=8, nsplit=1)
+    clean = np.where(valid[..., None], win, 0).astype(win.dtype)
+    ref = sparse_decode_ref(*map(jnp.asarray, (q, clean, valid, pool, topk, sinks)), scale=32**-0.5)
+    assert not valid.all() and np.isfinite(out.numpy()).all()
+    assert_close(out.numpy(), ref, 1e-5)
+
+
 def test_public_op_auto_is_ref_on_cpu():
     rng = np.random.default_rng(11)
     args = list(map(jnp.asarray, _inputs(rng, 2, 4, 16, 5, 6, 3)))

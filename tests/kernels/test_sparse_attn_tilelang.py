@@ -467,6 +467,33 @@ def test_dim_pair_matches_ref(shape, block_s, stages, pie):
 
 @needs_tilelang
 @pytest.mark.gpu
+@pytest.mark.parametrize(
+    "kernel",
+    [
+        dict(impl="tilelang", block_s=64, num_stages=4, num_warps=12, dim_pair=True, p_in_exchange=True),
+        dict(impl="tilelang", block_s=64, num_stages=3, num_warps=12, dim_pair=True),
+        dict(impl="tilelang", block_s=64, num_stages=2, num_warps=12, nsplit=2, merge_splits="push"),
+        dict(impl="tilelang", block_s=64, num_stages=2, num_warps=12, nsplit=8, merge_splits=True),
+        dict(impl="triton", block_h=32, block_s=64, num_warps=8),
+    ],
+)
+def test_nan_in_masked_ring_slots_never_reaches_the_output(kernel):
+    """Ring slots marked not valid may hold anything (a stale or never written cache row): NaN there must not
+    reach P @ K. Expected: the reference on the same inputs with those rows zeroed (their weight is 0)."""
+    q, win, valid, pool, top, sinks = sparse_decode_inputs(11, 8, 64, 512, 129, 1000, 512)
+    poisoned = jnp.where(valid[..., None], win, jnp.nan)
+    out = jax.jit(lambda *a: sparse_decode(*a, scale=512**-0.5, **kernel))(
+        q, poisoned, valid, pool, top, sinks
+    )
+    clean = jnp.where(valid[..., None], win, 0).astype(jnp.float32)
+    f32 = jnp.float32
+    ref = sparse_decode_ref(q.astype(f32), clean, valid, pool.astype(f32), top, sinks, 512**-0.5)
+    assert np.isfinite(np.asarray(out, np.float32)).all()
+    assert_close(out.astype(jnp.float32), ref, 1e-2)
+
+
+@needs_tilelang
+@pytest.mark.gpu
 def test_tilelang_large_logits_and_ring_129():
     """Scores far above the sink (the sink's term underflows) and the model's ring of R + 1 = 129 slots."""
     args = list(sparse_decode_inputs(5, 4, 64, 512, 129, 1000, 512))
