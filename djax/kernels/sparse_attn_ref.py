@@ -26,10 +26,11 @@ def sparse_decode_ref(q, window, window_valid, pool, topk, sinks, scale: float):
 
     q [b, h, k]; window [b, W, k]; window_valid bool[b, W]; pool [b, C, k]; topk int32[b, T];
     sinks f32[h]. K = V (one shared latent). Returns [b, h, k] in q's dtype; a row with nothing
-    valid returns zeros (all its mass sits on the sink).
+    valid returns zeros (all its mass sits on the sink). Masked slots contribute nothing whatever they
+    hold: a ring slot not yet written, or the pool row an invalid pick stands in for, may be NaN.
     """
     keys, mask = gather_keys(window, window_valid, pool, topk)
-    kf = keys.astype(F32)
+    kf = jnp.where(mask[..., None], keys.astype(F32), 0.0)  # else 0 * NaN would reach P @ K
     logits = jnp.einsum("bhk,bsk->bhs", q.astype(F32), kf, precision="highest") * scale
     logits = jnp.where(mask[:, None, :], logits, -jnp.inf)
     sink = sinks.astype(F32)[None, :]  # [1, h]

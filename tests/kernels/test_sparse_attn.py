@@ -96,6 +96,21 @@ def test_triton_interpreted_matches_ref(b, h, k, w, c, t, bh, bs, ns):
     assert np.all(out.numpy()[-1] == 0)
 
 
+def test_ref_ignores_nan_in_masked_slots():
+    """The spec: NaN in ring slots marked not valid, and in the pool row that invalid picks stand in for (row 0),
+    changes nothing, as the kernels' zero-filled loads."""
+    q, win, valid, pool, picks, sinks = _inputs(np.random.default_rng(6), 3, 16, 32, 13, 40, 21)
+    picks = np.where(picks == 0, 1, picks)  # no valid pick of row 0: it is the invalid picks' stand-in here
+    assert not valid.all() and (picks < 0).any()
+    q, win, valid, pool, topk, sinks = map(jnp.asarray, (q, win, valid, pool, picks, sinks))
+    poisoned_win = jnp.where(valid[..., None], win, jnp.nan)
+    poisoned_pool = pool.at[:, 0].set(jnp.nan)
+    out = sparse_decode_ref(q, poisoned_win, valid, poisoned_pool, topk, sinks, 32**-0.5)
+    clean = sparse_decode_ref(q, jnp.where(valid[..., None], win, 0), valid, pool, topk, sinks, 32**-0.5)
+    assert np.isfinite(np.asarray(out)).all()
+    np.testing.assert_array_equal(np.asarray(out), np.asarray(clean))
+
+
 @needs_triton_interp
 def test_triton_interpreted_ignores_nan_in_masked_ring_slots():
     """A ring slot marked not valid may hold anything (a stale cache row): NaN there never reaches P @ K."""

@@ -485,8 +485,8 @@ def test_nan_in_masked_ring_slots_never_reaches_the_output(kernel):
     out = jax.jit(lambda *a: sparse_decode(*a, scale=512**-0.5, **kernel))(
         q, poisoned, valid, pool, top, sinks
     )
-    clean = jnp.where(valid[..., None], win, 0).astype(jnp.float32)
     f32 = jnp.float32
+    clean = jnp.where(valid[..., None], win, 0).astype(f32)
     ref = sparse_decode_ref(q.astype(f32), clean, valid, pool.astype(f32), top, sinks, 512**-0.5)
     assert np.isfinite(np.asarray(out, np.float32)).all()
     assert_close(out.astype(jnp.float32), ref, 1e-2)
