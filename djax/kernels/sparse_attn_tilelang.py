@@ -942,14 +942,10 @@ def pair_program(b: int, h: int, k: int, w: int, c: int, t: int, scale: float, t
             softmax_step(s, rows, g * bs, m, m_prev, alpha, rsum, l)
             for hh, d in T.Parallel(HEADS, kh):
                 acc[hh, d] *= alpha[hh]
-            if lean:  # the buffer just read: the peer writes it again only after our next block's scores
-                T.copy(s, xs[x, :, 0:bs])
-                T.fence_proxy_async()  # P is read by wgmma (the async proxy)
-                T.gemm(xs[x, :, 0:bs], k_s[st, :, :], acc)
-            else:
-                T.copy(s, p_s)
-                T.fence_proxy_async()
-                T.gemm(p_s, k_s[st, :, :], acc)
+            # lean: P in the buffer just read, which the peer writes again only after our next block's scores
+            T.copy(s, xs[x, :, 0:bs] if lean else p_s)
+            T.fence_proxy_async()  # P is read by wgmma (the async proxy)
+            T.gemm(xs[x, :, 0:bs] if lean else p_s, k_s[st, :, :], acc)
             T.barrier_arrive(free[st])
         # the second cluster barrier: every thread arrives once its loop is done, and waits only before
         # leaving, so no CTA leaves while its scores may still be on their way to the peer

@@ -68,9 +68,8 @@ def test_grouped_check_rows_cover_tiles_with_an_idle_half(grouped):
 
 
 def test_grouped_variants_flip_half_tiles_and_cut_trailing_padding(grouped):
-    mi = np.r_[
-        np.full(200, 0), np.full(56, -1), np.full(384, -1)
-    ]  # a group of 200 rows, then 3 padding tiles
+    # a group of 200 rows padded to 256, then 3 tiles of padding
+    mi = np.r_[np.full(200, 0), np.full(56, -1), np.full(384, -1)]
     names = {name: (t, rows) for name, t, rows in grouped.variants(mi, 2048, 4096)}
     assert names["default"][0].half_tiles and not names["whole tiles"][0].half_tiles
     assert names["default, rows to the last group"][1] == 256 and names["default"][1] == mi.size
