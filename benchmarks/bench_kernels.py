@@ -197,6 +197,7 @@ def run(
 ):
     dev = jax.devices()[0]
     rows, errors = [], []
+    started = time.perf_counter()
     bw, rate = measure_ceilings() if not small else (COPY_BW, BF16_RATE)
     print(
         f"device {dev.device_kind}: copy {bw / 1e12:.2f} TB/s, bf16 matmul {rate / 1e12:.0f} TFLOP/s (measured now)"
@@ -235,6 +236,8 @@ def run(
             vs_measured_copy=nbytes / t / bw,
             rel_err=err,
             kernels_us=kernels,
+            # seconds since the run began, compiles included: where a run's time limit goes
+            elapsed_s=round(time.perf_counter() - started, 1),
         )
         rows.append(row)
         save()  # after every row: a run stopped by a time limit keeps what it measured
