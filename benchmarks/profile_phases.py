@@ -1,17 +1,19 @@
 """Where the time goes inside one CTA: phase timestamps of the FP8 decode GEMM (m 64, n 4096, k 7168) and the
-sparse decode attention (b 64, 64 heads x 512, W 128, top 512 of 2048; 2 key splits, the merge pushed) at
-those tilings.
+sparse decode attention (b 64, 64 heads x 512, W 128, top 512 of 2048) in two forms: "attention", 2 key
+splits with the merge pushed (the default before the CTA pair), and "pair", the default since (the head
+dim split over a CTA pair, 4 key stages, P in the score buffers).
 
-python benchmarks/profile_phases.py [--out DIR] [--launches 8]      (CUDA GPU, TileLang and nvcc)
+python benchmarks/profile_phases.py [--out DIR] [--launches 8] [--kernels decode,attention,pair]   (CUDA GPU)
 python benchmarks/profile_phases.py --build                          (compiles only: no GPU needed)
 
 Each kernel's lowered CUDA gets `clock64()` reads at named points (the thread that reaches the point first
-in program order: a consumer's thread 0, the producer's first thread) into a small shared array, and at the
-end one thread per chosen CTA (blockIdx.x a multiple of 21, every split) prints them with the CTA's
-%globaltimer at its start and at the print. The launches' output is captured from the process's stdout;
-the JSON has, per kernel, the median cycles from the CTA's start to each point, the median CTA life in ns
-and the SM clock that implies. The instrumented kernels are slower than the real ones (the print, more
-registers), so the parts are indicative; the points are where they sit in the lowered source.
+in program order: a consumer's thread 0, the producer's first thread) into a small array (shared memory, or
+global memory where the kernel takes all the shared memory), and at the end one thread per chosen CTA
+(blockIdx.x a multiple of 21, every split) prints them with the CTA's %globaltimer at its start and at the
+print. The launches' output is captured from the process's stdout; the JSON has, per kernel, the median
+cycles from the CTA's start to each point, the median CTA life in ns and the SM clock that implies. The
+instrumented kernels are slower than the real ones (the print, more registers), so the parts are
+indicative; the points are where they sit in the lowered source.
 """
 
 import argparse
@@ -28,6 +30,7 @@ import numpy as np
 DECODE = (64, 4096, 7168)
 ATTN = (64, 64, 512, 128, 2048, 512)  # b, h, k, W, C, T
 PICK = "blockIdx.x % 21 == 0"
+PER_LINE = 24  # values a printf line carries (device printf takes at most 32 arguments)
 
 _TIMER = r"""
 __device__ __forceinline__ long long djax_globaltimer() {
@@ -52,28 +55,44 @@ def insert_after(source: str, anchor: str, code: str, nth: int = 0) -> str:
     return source[:at] + indent + code + "\n" + source[at:]
 
 
-def with_timestamps(source: str, name: str, points: int) -> str:
-    """The shared array, the start stamps and, at the kernel's end, the print (after a CTA-wide barrier)."""
+def with_timestamps(source: str, name: str, points: int, rows_in_global: int = 0) -> str:
+    """The stamps' array, the start stamps and, at the kernel's end, the print (after a CTA-wide barrier).
+
+    The array is in shared memory, or, with `rows_in_global` (the grid's CTA count), one row per CTA of a
+    global array, for kernels whose shared memory is all taken. Device printf takes at most 32 arguments, so
+    the values go out in lines of up to `PER_LINE`, each led by the CTA's start time (which tells launches
+    apart) and its part number; `summarize` joins them."""
     head = source.index('extern "C" __global__ void __launch_bounds__')
     body = source.index("{\n", head) + 2
     n = points + 1
-    start = (
-        f"  __shared__ long long djax_t[{n + 1}];\n"
-        f"  if (threadIdx.x == 0) {{ djax_t[0] = clock64(); djax_t[{n}] = djax_globaltimer(); }}\n"
-    )
+    if rows_in_global:
+        cta = "(blockIdx.z * gridDim.y + blockIdx.y) * gridDim.x + blockIdx.x"
+        decl = f"  long long* djax_t = djax_t_rows[{cta}];\n"
+    else:
+        decl = f"  __shared__ long long djax_t[{n + 1}];\n"
+    start = decl + f"  if (threadIdx.x == 0) {{ djax_t[0] = clock64(); djax_t[{n}] = djax_globaltimer(); }}\n"
     source = source[:body] + start + source[body:]
     end = source.rindex("}")  # the kernel is the file's last function
-    values = ", ".join(
-        [f"djax_t[{j}] - djax_t[0]" for j in range(1, n)] + [f"djax_t[{n}]", "djax_globaltimer()"]
-    )
-    fmt = " ".join(["%lld"] * (points + 2))
+    values = [f"djax_t[{j}] - djax_t[0]" for j in range(1, n)] + ["djax_globaltimer()"]
+    prints = []
+    for part, at in enumerate(range(0, len(values), PER_LINE)):
+        chunk = values[at : at + PER_LINE]
+        fmt = " ".join(["%lld"] * len(chunk))
+        prints.append(
+            f'printf("DJAXT {name} %d %d %lld {part} {fmt}\\n", (int)blockIdx.x, (int)blockIdx.z, '
+            f"djax_t[{n}], {', '.join(chunk)});"
+        )
     tail = (
-        f"  __syncthreads();\n  if (threadIdx.x == 0 && ({PICK})) "
-        f'printf("DJAXT {name} %d %d {fmt}\\n", (int)blockIdx.x, (int)blockIdx.z, {values});\n'
+        f"  __syncthreads();\n  if (threadIdx.x == 0 && ({PICK})) {{\n    "
+        + "\n    ".join(prints)
+        + "\n  }\n"
     )
     from djax.kernels.tilelang_build import with_device_code
 
-    return with_device_code(source[:end] + tail + source[end:], _TIMER)
+    timer = _TIMER + (
+        f"__device__ long long djax_t_rows[{rows_in_global}][{n + 1}];\n" if rows_in_global else ""
+    )
+    return with_device_code(source[:end] + tail + source[end:], timer)
 
 
 def decode_source():
@@ -145,8 +164,75 @@ def attention_source():
     return with_timestamps(s, "attention", len(names)), launch, names
 
 
+def pair_source():
+    """The sparse decode default at b 64 (the head dim split over a CTA pair, 4 key stages, each block's P in
+    the score buffer just read) with its points; (source, launch, names). Per block: the producer's copies
+    issued, and for the consumer warpgroup that takes it (0 the even blocks, 1 the odd ones) the block
+    landed, its partial scores computed, the peer's added, and its P V done; then each warpgroup's loop end
+    and the end of its `djax_pair_end` (the halves swapped, combined and stored). The stamps live in global
+    memory: the kernel takes all the shared memory a CTA may have."""
+    from djax.kernels import sparse_attn_tilelang as S
+
+    b, h, k, w, c, t = ATTN
+    tiling = S.default_tiling(b, h, k, w, t)
+    if not (tiling.dim_pair and tiling.p_in_exchange):
+        raise NotImplementedError(
+            f"the points are placed for the CTA pair with P in the buffers, not {tiling}"
+        )
+    blocks = sum(S._blocks(w, t, tiling.block_s))
+    src, launch = S._lowered_on_disk(b, h, k, w, c, t, k**-0.5, tiling)
+    head = src.index('extern "C" __global__ void __launch_bounds__')
+    pre, s = src[:head], src[head:]  # the kernel only: the device functions hold the same statements
+    per = -(-blocks // 2)  # blocks a consumer warpgroup takes
+    phases = ("ready", "scores", "peer_added", "done")
+    names = ["slot_table_done"] + [f"producer_issued_{g}" for g in range(blocks)]
+    names += [f"wg{wg}_{ph}_{i}" for wg in (0, 1) for ph in phases for i in range(per)]
+    names += ["wg0_loop_done", "wg0_end_done", "wg1_loop_done", "wg1_end_done"]
+    s = insert_after(s, "  __syncthreads();\n", stamp(1), nth=1)  # the second: after the slot table
+    s = insert_after(s, "      tl::mbarrier_cp_async_arrive_noinc(ready[(blk & 3)]);\n",
+                     "if (threadIdx.x == 256) djax_t[2 + blk] = clock64();")  # fmt: skip
+    loops = re.findall(rf"for \(int (i_\d+) = 0; \1 < {per}; \+\+\1\) {{\n        ready\[", s)
+    sends = re.findall(r"        djax_pair_send<[^\n]*\n", s)
+    ends = re.findall(r"      djax_pair_end<[^\n]*\n", s)
+    if len(loops) != 2 or len(sends) != 2 or len(ends) != 2:  # one loop, send and end per consumer warpgroup
+        raise NotImplementedError("unexpected consumer loops in the pair's lowered source")
+    for wg, (i, send, end) in enumerate(zip(loops, sends, ends, strict=True)):
+        base = 2 + blocks + wg * len(phases) * per
+        lead = f"if (threadIdx.x == {128 * wg}) djax_t[{{}} + {i}] = clock64();"
+        wait = re.search(rf"        ready\[[^\n]*\]\.wait\(\(\({i} >> 1\) & 1\)\);\n", s).group(0)
+        s = insert_after(s, wait, lead.format(base))
+        s = s.replace(send, "        " + lead.format(base + per) + "\n" + send, 1)
+        xwait = re.search(rf"        xbar\[[^\n]*\]\.wait\(\(\({i} >> 1\) & 1\)\);\n", s).group(0)
+        s = insert_after(s, xwait, lead.format(base + 2 * per))
+        free = re.search(rf"        free\[[^\n]*{i}[^\n]*\]\.arrive\(\);\n", s).group(0)
+        s = insert_after(s, free, lead.format(base + 3 * per))
+        loop_done, end_done = len(names) - 3 + 2 * wg, len(names) - 2 + 2 * wg
+        s = s.replace(
+            end,
+            "      " + stamp(loop_done, 128 * wg) + "\n" + end + "      " + stamp(end_done, 128 * wg) + "\n",
+            1,
+        )
+    ctas = b * (h // S.HEADS) * 2
+    return with_timestamps(pre + s, "pair", len(names), rows_in_global=ctas), launch, names
+
+
+def joined_rows(lines: list[str], name: str) -> list[list[int]]:
+    """Per CTA launch, in the order printed: [blockIdx.x, blockIdx.z, the points' cycles..., start time, end
+    time], its printed parts joined (a CTA's parts share its start time)."""
+    parts: dict[tuple[int, int, int], dict[int, list[int]]] = {}
+    for ln in lines:
+        if ln.startswith(f"DJAXT {name} "):
+            bx, bz, t0, part, *values = map(int, ln.split()[2:])
+            parts.setdefault((bx, bz, t0), {})[part] = values
+    rows = []
+    for (bx, bz, t0), got in parts.items():
+        values = [v for p in sorted(got) for v in got[p]]
+        rows.append([bx, bz, *values[:-1], t0, values[-1]])
+    return rows
+
+
 def summarize(lines: list[str], name: str, names: list[str]) -> dict:
-    rows = np.array([list(map(int, ln.split()[2:])) for ln in lines if ln.startswith(f"DJAXT {name} ")])
+    rows = np.array(joined_rows(lines, name))
     rows = rows[len(rows) // 4 :]  # past the first launches (module load, cold TLBs)
     cycles, life = rows[:, 2:-2], rows[:, -1] - rows[:, -2]
     return dict(
@@ -159,7 +245,11 @@ def summarize(lines: list[str], name: str, names: list[str]) -> dict:
     )
 
 
-def run(out_dir: str, launches: int) -> dict:
+BUILDERS = {"decode": decode_source, "attention": attention_source, "pair": pair_source}
+KERNELS = tuple(BUILDERS)
+
+
+def run(out_dir: str, launches: int, kernels: tuple[str, ...] = KERNELS) -> dict:
     import jax
     import jax.numpy as jnp
     from bench_kernels import attn_sets
@@ -171,37 +261,42 @@ def run(out_dir: str, launches: int) -> dict:
     from djax.kernels.sparse_attn import kernel_operands
     from djax.kernels.tilelang_build import nvcc_cubin
 
-    (dsrc, dlaunch, dnames), (asrc, alaunch, anames) = decode_source(), attention_source()
-    dbin, abin = nvcc_cubin(dsrc), nvcc_cubin(asrc)
-    dkern = tma.TmaKernel("phases-" + hashlib.sha256(dbin).hexdigest()[:16], dlaunch["name"], dbin,
-                          dlaunch["grid"], dlaunch["threads"], dlaunch["shared_bytes"], dlaunch["params"])  # fmt: skip
-    acub = Cubin("phases-" + hashlib.sha256(abin).hexdigest()[:16], alaunch["name"], abin, alaunch["threads"],
-                 alaunch["shared_bytes"], extra_null=0)  # fmt: skip
     m, n, k = DECODE
     b, h, kd = ATTN[:3]
-    nsplit = alaunch["grid"][2]
+    calls, shapes, names = {}, {}, {}
+    for name in kernels:
+        src, launch, names[name] = BUILDERS[name]()
+        binary = nvcc_cubin(src)
+        key = "phases-" + hashlib.sha256(binary).hexdigest()[:16]
+        if name == "decode":
+            kern = tma.TmaKernel(key, launch["name"], binary, launch["grid"], launch["threads"],
+                                 launch["shared_bytes"], launch["params"])  # fmt: skip
 
-    @jax.jit
-    def decode(a, sa, bw, sb):
-        out = jax.ShapeDtypeStruct((m, n), jnp.bfloat16)
-        return tma.launch(dkern, [a, sa.astype(jnp.float32), bw, sb.astype(jnp.float32)], out)
+            def decode(a, sa, bw, sb, kern=kern):
+                out = jax.ShapeDtypeStruct((m, n), jnp.bfloat16)
+                return tma.launch(kern, [a, sa.astype(jnp.float32), bw, sb.astype(jnp.float32)], out)
 
-    @jax.jit
-    def attention(q, win, valid, pool, top, sinks):
-        args = kernel_operands(q, win, valid, pool, top, sinks, valid_dtype=jnp.bool_)
-        outs = [jax.ShapeDtypeStruct(q.shape, q.dtype), jax.ShapeDtypeStruct((b, nsplit, h), jnp.float32)]
-        return cubin.launch(acub, alaunch["grid"], args, outs)[0]
+            calls[name] = (jax.jit(decode), make_sets(timing_sets(m), m, n, k))
+            shapes[name] = f"m{m} n{n} k{k}"
+            continue
+        cub = Cubin(key, launch["name"], binary, launch["threads"], launch["shared_bytes"], extra_null=0)
+        # the pushed merge returns the output and the splits' log-sum-exps (scratch); the pair the output
+        lse = [] if name == "pair" else [jax.ShapeDtypeStruct((b, launch["grid"][2], h), jnp.float32)]
 
-    dsets, asets = make_sets(timing_sets(m), m, n, k), attn_sets(6, *ATTN)
+        def attention(q, win, valid, pool, top, sinks, cub=cub, grid=launch["grid"], lse=lse):
+            args = kernel_operands(q, win, valid, pool, top, sinks, valid_dtype=jnp.bool_)
+            return cubin.launch(cub, grid, args, [jax.ShapeDtypeStruct(q.shape, q.dtype), *lse])[0]
+
+        calls[name] = (jax.jit(attention), attn_sets(6, *ATTN))
+        shapes[name] = f"b{b} h{h} k{kd} W{ATTN[3]} C{ATTN[4]} T{ATTN[5]}"
     sys.stdout.flush()
     with tempfile.TemporaryFile("w+") as cap:  # the device printf writes to the process's fd 1
         saved = os.dup(1)
         os.dup2(cap.fileno(), 1)
         try:
-            for i in range(launches):
-                jax.block_until_ready(decode(*dsets[i % len(dsets)]))
-            for i in range(launches):
-                jax.block_until_ready(attention(*asets[i % len(asets)]))
+            for fn, sets in calls.values():
+                for i in range(launches):
+                    jax.block_until_ready(fn(*sets[i % len(sets)]))
         finally:
             sys.stdout.flush()
             os.dup2(saved, 1)
@@ -213,9 +308,9 @@ def run(out_dir: str, launches: int) -> dict:
         jax=jax.__version__,
         date=datetime.datetime.now(datetime.UTC).strftime("%Y-%m-%dT%H:%MZ"),
         what=__doc__.split("\n\n")[2].replace("\n", " "),
-        decode=dict(shape=f"m{m} n{n} k{k}", **summarize(lines, "decode", dnames)),
-        attention=dict(shape=f"b{b} h{h} k{kd} W{ATTN[3]} C{ATTN[4]} T{ATTN[5]}", **summarize(lines, "attention", anames)),
-    )  # fmt: skip
+    )
+    for name in kernels:
+        result[name] = dict(shape=shapes[name], **summarize(lines, name, names[name]))
     with open(os.path.join(out_dir, "phases.json"), "w") as f:
         json.dump(result, f, indent=1)
     return result
@@ -226,14 +321,19 @@ def main():
     p.add_argument("--out", default=os.environ.get("OUT", "/tmp"))
     p.add_argument("--launches", type=int, default=8)
     p.add_argument("--build", action="store_true", help="instrument and compile only")
+    p.add_argument("--kernels", default=",".join(KERNELS), help=f"a subset of {','.join(KERNELS)}")
     args = p.parse_args()
+    kernels = tuple(args.kernels.split(","))
+    if unknown := set(kernels) - set(KERNELS):
+        p.error(f"unknown kernels {sorted(unknown)}; known: {', '.join(KERNELS)}")
     if args.build:
         from djax.kernels.tilelang_build import nvcc_cubin
 
-        for src, _, names in (decode_source(), attention_source()):
-            print(len(nvcc_cubin(src)), "bytes,", len(names), "points")
+        for name in kernels:
+            src, _, names = BUILDERS[name]()
+            print(name, len(nvcc_cubin(src)), "bytes,", len(names), "points")
         return
-    print(json.dumps(run(args.out, args.launches), indent=1))
+    print(json.dumps(run(args.out, args.launches, kernels), indent=1))
 
 
 if __name__ == "__main__":
