@@ -38,6 +38,24 @@ def linear_weight(o: int, i: int, ax_o: str | None, ax_i: str | None) -> dict:
     return {"weight": Param((o, i), (ax_o, ax_i))}
 
 
+def mlp_weights(d: int, f: int) -> dict:
+    """A SwiGLU MLP of width f on d: w1 (gate) and w3 (up) [f, d], w2 (down) [d, f]."""
+    return {
+        "w1": linear_weight(f, d, "mlp", "embed"),
+        "w2": linear_weight(d, f, "embed", "mlp"),
+        "w3": linear_weight(f, d, "mlp", "embed"),
+    }
+
+
+def expert_weights(e: int, d: int, f: int) -> dict:
+    """e routed experts' SwiGLU MLPs stacked on the "experts" axis: w1 and w3 [e, f, d], w2 [e, d, f]."""
+    return {
+        "w1": Param((e, f, d), ("experts", "expert_mlp", "embed")),
+        "w2": Param((e, d, f), ("experts", "embed", "expert_mlp")),
+        "w3": Param((e, f, d), ("experts", "expert_mlp", "embed")),
+    }
+
+
 def norm_weight(n: int) -> dict:
     """An RMS-norm scale (float32, initialised to ones) under the key "weight"."""
     return {"weight": Param((n,), (None,), "float32", "ones")}

@@ -20,7 +20,7 @@ from djax.models.layers import (
     yarn_mscale,
 )
 from djax.models.moe import moe_with_counts
-from djax.params import Param
+from djax.params import Param, expert_weights, mlp_weights
 from djax.params import linear_weight as _w
 from djax.params import norm_weight as _norm
 from djax.quant import dense
@@ -48,27 +48,15 @@ def _ffn(cfg: ModelConfig, layer: int) -> dict:
     d, f, e = cfg.hidden_size, cfg.moe_intermediate_size, cfg.n_routed_experts
     if cfg.is_dense_layer(layer):
         fd = cfg.intermediate_size
-        return {
-            "w1": _w(fd, d, "mlp", "embed"),
-            "w2": _w(d, fd, "embed", "mlp"),
-            "w3": _w(fd, d, "mlp", "embed"),
-        }
+        return mlp_weights(d, fd)
     fs = f * cfg.n_shared_experts
     return {
         "gate": {
             "weight": Param((e, d), ("experts_r", "embed")),
             "bias": Param((e,), (None,), "float32", "uniform"),
         },
-        "experts": {
-            "w1": Param((e, f, d), ("experts", "expert_mlp", "embed")),
-            "w2": Param((e, d, f), ("experts", "embed", "expert_mlp")),
-            "w3": Param((e, f, d), ("experts", "expert_mlp", "embed")),
-        },
-        "shared_experts": {
-            "w1": _w(fs, d, "mlp", "embed"),
-            "w2": _w(d, fs, "embed", "mlp"),
-            "w3": _w(fs, d, "mlp", "embed"),
-        },
+        "experts": expert_weights(e, d, f),
+        "shared_experts": mlp_weights(d, fs),
     }
 
 

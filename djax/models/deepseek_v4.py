@@ -31,7 +31,7 @@ from djax.models.layers import (
 )
 from djax.models.mhc import hc_head, hc_post, hc_pre, sinkhorn
 from djax.models.moe import moe_with_counts
-from djax.params import Param
+from djax.params import Param, expert_weights, mlp_weights
 from djax.params import linear_weight as _w
 from djax.params import norm_weight as _norm
 from djax.quant import dense
@@ -122,16 +122,8 @@ def _ffn(cfg: ModelConfig, hashed: bool, experts: int | None = None) -> dict:
     fs = f * cfg.n_shared_experts
     return {
         "gate": gate,
-        "experts": {
-            "w1": Param((e, f, d), ("experts", "expert_mlp", "embed")),
-            "w2": Param((e, d, f), ("experts", "embed", "expert_mlp")),
-            "w3": Param((e, f, d), ("experts", "expert_mlp", "embed")),
-        },
-        "shared_experts": {
-            "w1": _w(fs, d, "mlp", "embed"),
-            "w2": _w(d, fs, "embed", "mlp"),
-            "w3": _w(fs, d, "mlp", "embed"),
-        },
+        "experts": expert_weights(e, d, f),
+        "shared_experts": mlp_weights(d, fs),
     }
 
 
