@@ -2,6 +2,7 @@
 transformers on held-out code. djax-tiny (V4.1, the default; HF has no V4.1 class): it loads, decodes
 greedily to a fixed text, and its decode path through the state reproduces the full forward on held-out code."""
 
+import json
 import sys
 from pathlib import Path
 
@@ -156,3 +157,14 @@ def test_djax_tiny_decode_reproduces_forward_on_heldout_code(tiny41):
     got, want = np.stack(steps), full[p - 1 : -1]
     assert np.abs(got - want).max() <= 1e-4 * np.abs(want).max(), np.abs(got - want).max()
     np.testing.assert_array_equal(got.argmax(-1), want.argmax(-1))
+
+
+def test_the_cli_main_job_completes_as_generate_does(tiny41, capsys):
+    """The README's main job, `djax generate` on the embedded default model (its own prefill and per-token
+    decode loop, greedy by default), writes the text `djax.generate` produces for the same prompt."""
+    from djax.cli import main
+
+    assert main(["generate", "--prompt", PROMPT, "--max-new-tokens", "24", "--json"]) == 0
+    out = json.loads(capsys.readouterr().out.strip().splitlines()[-1])
+    assert out["prompt_tokens"] == len(tiny41[2].encode(PROMPT).ids) and len(out["tokens"]) == 24
+    assert out["text"] == EXPECTED_V41
