@@ -18,10 +18,16 @@ a consumer warpgroup reading each block once and freeing its stage. Ways of load
 - `mixed_N`: the first N rows of each block by TMA boxes, the others by cp.async, both into the swizzled
   layout and completing on one barrier: whether the two paths' limits add up;
 - `cp_async_l2_128`, `_l2_256`, `cp_async_ca`: the kernel's cp.async with an L2 prefetch-size hint (the whole
-  128- or 256-byte span fetched on a miss) or through L1 (.ca) instead of L2 only (.cg).
+  128- or 256-byte span fetched on a miss) or through L1 (.ca) instead of L2 only (.cg);
+- `half_*`: the CTA pair's loads (the attention's default): each CTA of a pair gathers its half (512 bytes) of
+  the pair's 640 rows, 10 blocks of 64 into 4 stages of 32 KB, rows with n % 37 == 5 masked (zero-filled, not
+  read): `half_cp_async` as the pair does, `half_bulk` one bulk copy per half row (linear, none masked: the
+  ceiling at that size), `half_bulk_relaid_lagN` those bulk copies, each landing in its 8-row group's kilobytes,
+  rewritten in place into the swizzled layout by the producer's warps (a group each at a time, no barrier
+  across warps), N blocks behind the copies they issue (the attention's `bulk_keys` option).
 CTA 0's last block is compared with the layout expected from the pool. Time: the first CTA's start to the
 last CTA's end (%globaltimer), median of 25 launches over alternating pools and index sets; bytes are the
-rows gathered. Writes gather.json (and gather.png) under --out.
+rows read (masked rows are not). Writes gather.json (and gather.png) under --out.
 """
 
 import argparse
@@ -50,7 +56,13 @@ VARIANTS = {  # kernel name: (mode, stages); mode 0 cp.async, 1 one TMA box per 
     "cp_async_l2_128": (0, 2),  # the same cp.async with .L2::128B (the kernel template argument HINT)
     "cp_async_l2_256": (0, 2),
     "cp_async_ca": (0, 2),
+    # the CTA pair's half rows (512 bytes), 10 blocks of 64 a CTA into 4 stages of 32 KB; modes 5-7 = half modes 0-2
+    "half_cp_async": (5, 4),
+    "half_bulk": (6, 4),
+    "half_bulk_relaid_lag2": (7, 4),
+    "half_bulk_relaid_lag3": (7, 4),
 }
+HALF_BLOCKS, HALF_STAGE_BYTES = 10, 32 * 1024
 
 SOURCE = r"""
 #include <cstdint>
@@ -259,6 +271,130 @@ __device__ __forceinline__ void gather_relaid(const uint16_t* pool, const int* i
   }
 }
 
+// The CTA pair's loads: CTA 2p + z gathers columns [256 z, 256 z + 256) (512 bytes) of the pair's 640 rows, 10
+// blocks of 64, into a ring of 32 KB stages laid out as the attention's half tiles (4 chunks of 64 columns, each
+// 64 rows x 128 bytes, 16-byte units XOR-swizzled by row & 7). Row n of the pair's 640 is masked when n % 37 == 5
+// (its slot zero-filled, as the kernels do for invalid picks). MODE 0: cp.async of 16 bytes (zero-filled when
+// masked), the pair's way; 1: one bulk copy of 512 bytes per row into linear rows (all rows, no masking: the
+// ceiling of bulk copies at this size); 2: the same bulk copies (masked rows skipped), each row landing in its
+// 8-row group's kilobytes (row 8 G + e at chunk e / 2's kilobyte of group G, half e % 2), then, LAG blocks
+// behind the copies, each producer warp rewrites its groups in place into the swizzled layout (each lane
+// reading its 8 units of a group, __syncwarp, then writing them at their slots, masked rows as zeros), as the
+// attention's `bulk_keys` option does.
+#define HALF_BLOCKS 10
+#define HALF_STAGE 32768
+__device__ __forceinline__ bool half_row_valid(int n) { return n % 37 != 5; }
+
+template <int MODE, int STAGES, int LAG>
+__device__ __forceinline__ void gather_half(const uint16_t* pool, const int* idx, unsigned* sums, long long* times,
+                                            uint16_t* dump) {
+  extern __shared__ __align__(1024) unsigned char buf[];
+  __shared__ __align__(8) uint64_t staged[STAGES], ready[STAGES], empty[STAGES];
+  int tid = threadIdx.x, bid = blockIdx.x;
+  const int* rows = idx + (bid & ~1) * BLOCKS * 64;  // the pair's 640 rows (the idx rows of CTAs 2p and 2p + 1)
+  const uint16_t* src = pool + (bid & 1) * 256;      // this CTA's half of every row
+  if (tid == 0) {
+    times[2 * bid] = gtime();
+    for (int s = 0; s < STAGES; ++s) {
+      bar_init(&staged[s], 64);
+      bar_init(&ready[s], 128);
+      bar_init(&empty[s], 128);
+    }
+    asm volatile("fence.mbarrier_init.release.cluster;" ::: "memory");
+  }
+  __syncthreads();
+  if (tid >= 128) {
+    int p = tid - 128;
+    if (MODE == 0) {
+      for (int g = 0; g < HALF_BLOCKS; ++g) {
+        int st = g % STAGES;
+        bar_wait(&empty[st], ((g / STAGES) & 1) ^ 1);
+        uint32_t base = smem(buf) + st * HALF_STAGE;
+#pragma unroll 8
+        for (int q = 0; q < 16; ++q) {
+          int i = q * 128 + p, r = i / 32, u = i % 32, c = u / 8, j = u % 8, n = g * 64 + r;
+          uint32_t dst = base + c * 8192 + r * 128 + ((j ^ (r & 7)) * 16);
+          asm volatile("cp.async.cg.shared.global [%0], [%1], 16, %2;"
+                       ::"r"(dst), "l"(src + (size_t)rows[n] * 512 + u * 8), "r"(half_row_valid(n) ? 16 : 0)
+                       : "memory");
+        }
+        asm volatile("cp.async.mbarrier.arrive.noinc.shared.b64 [%0];" ::"r"(smem(&ready[st])) : "memory");
+      }
+    } else {
+      for (int g = 0; g < HALF_BLOCKS + LAG; ++g) {
+        if (g < HALF_BLOCKS && p < 64) {  // block g's rows, one bulk copy each
+          int st = g % STAGES, n = g * 64 + p, grp = p / 8, e = p % 8;
+          bar_wait(&empty[st], ((g / STAGES) & 1) ^ 1);
+          uint32_t bar = smem(&staged[st]);
+          // MODE 1: linear rows; MODE 2: each row in its group's kilobytes
+          uint32_t at = MODE == 1 ? p * 512 : (e / 2) * 8192 + grp * 1024 + (e % 2) * 512;
+          if (MODE == 1 || half_row_valid(n)) {
+            asm volatile("mbarrier.arrive.expect_tx.shared::cta.b64 _, [%0], 512;" ::"r"(bar) : "memory");
+            asm volatile("cp.async.bulk.shared::cluster.global.mbarrier::complete_tx::bytes [%0], [%1], 512, [%2];"
+                         ::"r"(smem(buf) + st * HALF_STAGE + at), "l"(src + (size_t)rows[n] * 512), "r"(bar)
+                         : "memory");
+          } else {
+            bar_arrive(&staged[st]);
+          }
+        }
+        int gg = g - LAG;
+        if (gg >= 0) {  // block gg landed: rearrange it (MODE 2) and hand it to the consumers
+          int st = gg % STAGES;
+          bar_wait(&staged[st], (gg / STAGES) & 1);
+          if (MODE == 2) {
+            int warp = p / 32, lane = p % 32;
+            for (int grp = warp; grp < 8; grp += 4) {
+              unsigned char* base = buf + st * HALF_STAGE + grp * 1024;
+              uint4 v[8];
+#pragma unroll
+              for (int m = 0; m < 8; ++m)  // row e = m of the group, unit lane
+                v[m] = *reinterpret_cast<const uint4*>(base + (m / 2) * 8192 + (m % 2) * 512 + lane * 16);
+              __syncwarp();  // the group's units all read before any is overwritten
+#pragma unroll
+              for (int m = 0; m < 8; ++m) {
+                uint4 x = half_row_valid(gg * 64 + grp * 8 + m) ? v[m] : make_uint4(0, 0, 0, 0);
+                *reinterpret_cast<uint4*>(base + (lane / 8) * 8192 + m * 128 + (((lane % 8) ^ m) * 16)) = x;
+              }
+            }
+            asm volatile("fence.proxy.async.shared::cta;" ::: "memory");  // as wgmma (the async proxy) would need
+          }
+          bar_arrive(&ready[st]);
+        }
+      }
+    }
+  } else {
+    unsigned acc = 0;
+    for (int g = 0; g < HALF_BLOCKS; ++g) {
+      int st = g % STAGES;
+      bar_wait(&ready[st], (g / STAGES) & 1);
+      const uint4* v = reinterpret_cast<const uint4*>(buf + st * HALF_STAGE);
+#pragma unroll 4
+      for (int q = 0; q < 16; ++q) {
+        uint4 x = v[q * 128 + tid];
+        acc += x.x ^ x.y ^ x.z ^ x.w;
+      }
+      if (g == HALF_BLOCKS - 1 && bid == 0) {
+        const uint16_t* s16 = reinterpret_cast<const uint16_t*>(buf + st * HALF_STAGE);
+        for (int q = tid; q < HALF_STAGE / 2; q += 128) dump[q] = s16[q];
+      }
+      bar_arrive(&empty[st]);
+    }
+    sums[bid * 128 + tid] = acc;
+    asm volatile("bar.sync 1, 128;" ::: "memory");
+    if (tid == 0) times[2 * bid + 1] = gtime();
+  }
+}
+
+#define GATHER_HALF(name, mode, stages, lag)                                                                \
+  extern "C" __global__ void __launch_bounds__(256, 1) name(const CUtensorMap __grid_constant__ desc,      \
+      const uint16_t* pool, const int* idx, unsigned* sums, long long* times, uint16_t* dump) {            \
+    gather_half<mode, stages, lag>(pool, idx, sums, times, dump);                                           \
+  }
+GATHER_HALF(half_cp_async, 0, 4, 0)
+GATHER_HALF(half_bulk, 1, 4, 2)
+GATHER_HALF(half_bulk_relaid_lag2, 2, 4, 2)
+GATHER_HALF(half_bulk_relaid_lag3, 2, 4, 3)
+
 extern "C" __global__ void __launch_bounds__(256, 1) bulk_relaid(const CUtensorMap __grid_constant__ desc,
     const uint16_t* pool, const int* idx, unsigned* sums, long long* times, uint16_t* dump) {
   gather_relaid(pool, idx, sums, times, dump);
@@ -303,14 +439,35 @@ def compile_cubin() -> bytes:
 
 
 def swizzled(block: np.ndarray) -> np.ndarray:
-    """64 rows of 512 values as the attention's key ring holds them: 8 chunks of 64 columns, each 64 rows of
-    128 bytes whose 16-byte units (8 values) are XOR-swizzled by row & 7; flat."""
-    rows = block.shape[0]
-    units = block.reshape(rows, 8, 8, 8)  # row, chunk, unit, value
-    out = np.empty((8, rows, 8, 8), block.dtype)  # chunk, row, unit slot, value
+    """Rows of 64 x `chunks` values as the attention's key ring holds them (512 values: 8 chunks; the CTA pair's
+    half rows of 256: 4): each chunk of 64 columns, the rows' 128 bytes, 16-byte units (8 values) XOR-swizzled
+    by row & 7; flat."""
+    rows, chunks = block.shape[0], block.shape[1] // 64
+    units = block.reshape(rows, chunks, 8, 8)  # row, chunk, unit, value
+    out = np.empty((chunks, rows, 8, 8), block.dtype)  # chunk, row, unit slot, value
     for r in range(rows):
         out[:, r, np.arange(8) ^ (r & 7)] = units[r]
     return out.reshape(-1)
+
+
+def half_row_valid(n: np.ndarray) -> np.ndarray:
+    """The half-row variants' mask over a pair's 640 rows (the kernel's `half_row_valid`)."""
+    return n % 37 != 5
+
+
+def expected_dump(mode: int, pool: np.ndarray, idx: np.ndarray) -> np.ndarray:
+    """What CTA 0's last block must hold in shared memory, flat, for a variant's mode."""
+    if mode < 5:  # whole rows: CTA 0's 5th block
+        last = pool[idx[0, (BLOCKS - 1) * 64 :]]
+        if mode == 3:  # the last 32 rows, in a 32 KB stage
+            return swizzled(last[32:])
+        return last.reshape(-1) if mode == 2 else swizzled(last)
+    n = np.arange((HALF_BLOCKS - 1) * 64, HALF_BLOCKS * 64)  # the pair's last block of its 640 rows
+    block = pool[idx[:2].reshape(-1)[n], :256].copy()  # CTA 0: the first half of each row
+    if mode == 6:  # linear rows, none masked
+        return block.reshape(-1)
+    block[~half_row_valid(n)] = 0
+    return swizzled(block)
 
 
 def run(out_dir: str) -> dict:
@@ -337,8 +494,8 @@ def run(out_dir: str) -> dict:
         jax.ShapeDtypeStruct((2 * CTAS,), jnp.int64),
         jax.ShapeDtypeStruct((STAGE_BYTES // 2,), jnp.uint16),
     ]
-    last = pools[0][idxs[0][0, (BLOCKS - 1) * 64 :]]  # CTA 0's last block
     gathered = CTAS * BLOCKS * 64 * ROW_ELEMS * 2
+    masked = CTAS // 2 * int((~half_row_valid(np.arange(HALF_BLOCKS * 64))).sum()) * ROW_ELEMS * 2
     result = dict(
         device=jax.devices()[0].device_kind,
         jax=jax.__version__,
@@ -349,15 +506,14 @@ def run(out_dir: str) -> dict:
     )
     for name, (mode, stages) in VARIANTS.items():
         key = f"gather-{name}-{hashlib.sha256(binary).hexdigest()[:16]}"
-        shared = 2 * STAGE_BYTES if mode == 3 else stages * STAGE_BYTES  # mode 3: four 32 KB stages
+        # mode 3: four 32 KB stages; the half-row modes: 32 KB stages
+        shared = 2 * STAGE_BYTES if mode == 3 else stages * (HALF_STAGE_BYTES if mode >= 5 else STAGE_BYTES)
         kern = tma.TmaKernel(key, name, binary, (CTAS, 1, 1), 256, shared, (desc, 0, 1, 2, 3, 4))
         fn = jax.jit(lambda p, i, kern=kern: tma.launch(kern, [p, i], outs))
         _, _, dump = fn(dev_pools[0], dev_idxs[0])
-        if mode == 3:  # the last block is the last 32 rows, in a 32 KB stage
-            want, dump = swizzled(last[32:]), np.asarray(dump)[: 32 * ROW_ELEMS]
-        else:
-            want = last.reshape(-1) if mode == 2 else swizzled(last)
-        layout_ok = bool((np.asarray(dump) == want).all())
+        want = expected_dump(mode, pools[0], idxs[0])
+        layout_ok = bool((np.asarray(dump)[: want.size] == want).all())
+        moved = gathered - masked if mode in (5, 7) else gathered  # masked rows are not read
         spans = []
         for it in range(30):
             _, t, _ = fn(dev_pools[it % 2], dev_idxs[it % 4])
@@ -370,7 +526,8 @@ def run(out_dir: str) -> dict:
             layout_ok=layout_ok,
             us_median=us,
             us_min=min(spans) / 1e3,
-            tb_per_s=gathered / us / 1e6,
+            bytes=moved,
+            tb_per_s=moved / us / 1e6,
         )
         print(name, result["variants"][name], flush=True)
     with open(os.path.join(out_dir, "gather.json"), "w") as f:
@@ -394,7 +551,7 @@ def plot(result: dict, path: str) -> None:
     ax.barh(names, rates, color="tab:blue")
     for y, (n, r) in enumerate(zip(names, rates, strict=True)):
         ax.text(r, y, f" {r:.2f} TB/s, {result['variants'][n]['us_median']:.1f} us", va="center", fontsize=8)
-    ax.set_xlabel("rows of 1 KB gathered into shared memory, TB/s (128 CTAs x 320 rows)")
+    ax.set_xlabel("rows gathered into shared memory, TB/s (128 CTAs x 320 KB)")
     ax.set_xlim(0, max(rates) * 1.45)
     ax.set_title(f"{result['device']}, {result['date']}", fontsize=9)
     fig.tight_layout()
