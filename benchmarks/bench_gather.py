@@ -90,6 +90,34 @@ __device__ __forceinline__ void bar_expect(uint64_t* b, int bytes) {
   asm volatile("mbarrier.arrive.expect_tx.shared::cta.b64 _, [%0], %1;" ::"r"(smem(b)), "r"(bytes) : "memory");
 }
 
+// The consumer warpgroup (threads 0-127) of every variant: reads each block of the ring once (a checksum, so the
+// loads cannot be skipped), CTA 0 dumps its last block for the layout check, frees the stage; then the CTA's end
+// time.
+template <int NBLK, int STAGES, int BYTES>
+__device__ __forceinline__ void consume(const unsigned char* ring, uint64_t* full, uint64_t* empty, unsigned* sums,
+                                        long long* times, uint16_t* dump) {
+  int tid = threadIdx.x, bid = blockIdx.x;
+  unsigned acc = 0;
+  for (int g = 0; g < NBLK; ++g) {
+    int st = g % STAGES;
+    bar_wait(&full[st], (g / STAGES) & 1);
+    const uint4* v = reinterpret_cast<const uint4*>(ring + st * BYTES);
+#pragma unroll 4
+    for (int q = 0; q < BYTES / 16 / 128; ++q) {
+      uint4 x = v[q * 128 + tid];
+      acc += x.x ^ x.y ^ x.z ^ x.w;
+    }
+    if (g == NBLK - 1 && bid == 0) {
+      const uint16_t* s16 = reinterpret_cast<const uint16_t*>(ring + st * BYTES);
+      for (int q = tid; q < BYTES / 2; q += 128) dump[q] = s16[q];
+    }
+    bar_arrive(&empty[st]);
+  }
+  sums[bid * 128 + tid] = acc;
+  asm volatile("bar.sync 1, 128;" ::: "memory");
+  if (tid == 0) times[2 * bid + 1] = gtime();
+}
+
 // Threads 128-255 load, 0-127 read each block (a checksum) and free its stage. Stage layout for modes 0 and 1:
 // 8 chunks of 64 columns, each 64 rows x 128 bytes, 16-byte units XOR-swizzled by (row & 7); mode 2: 64 rows of
 // 1 KB.
@@ -175,25 +203,7 @@ __device__ __forceinline__ void gather(const CUtensorMap* desc, const uint16_t* 
       }
     }
   } else {
-    unsigned acc = 0;
-    for (int g = 0; g < BLOCKS; ++g) {
-      int st = g % STAGES;
-      bar_wait(&full[st], (g / STAGES) & 1);
-      const uint4* v = reinterpret_cast<const uint4*>(buf + st * STAGE_BYTES);
-#pragma unroll 4
-      for (int q = 0; q < 32; ++q) {
-        uint4 x = v[q * 128 + tid];
-        acc += x.x ^ x.y ^ x.z ^ x.w;
-      }
-      if (g == BLOCKS - 1 && bid == 0) {
-        const uint16_t* s16 = reinterpret_cast<const uint16_t*>(buf + st * STAGE_BYTES);
-        for (int q = tid; q < STAGE_BYTES / 2; q += 128) dump[q] = s16[q];
-      }
-      bar_arrive(&empty[st]);
-    }
-    sums[bid * 128 + tid] = acc;
-    asm volatile("bar.sync 1, 128;" ::: "memory");
-    if (tid == 0) times[2 * bid + 1] = gtime();
+    consume<BLOCKS, STAGES, STAGE_BYTES>(buf, full, empty, sums, times, dump);
   }
 }
 
@@ -249,25 +259,7 @@ __device__ __forceinline__ void gather_relaid(const uint16_t* pool, const int* i
       }
     }
   } else {
-    unsigned acc = 0;
-    for (int g = 0; g < NB; ++g) {
-      int s = g & 1;
-      bar_wait(&ready[s], (g >> 1) & 1);
-      const uint4* v = reinterpret_cast<const uint4*>(buf + 2 * BYTES + s * BYTES);
-#pragma unroll 4
-      for (int q = 0; q < BYTES / 16 / 128; ++q) {
-        uint4 x = v[q * 128 + tid];
-        acc += x.x ^ x.y ^ x.z ^ x.w;
-      }
-      if (g == NB - 1 && bid == 0) {
-        const uint16_t* s16 = reinterpret_cast<const uint16_t*>(buf + 2 * BYTES + s * BYTES);
-        for (int q = tid; q < BYTES / 2; q += 128) dump[q] = s16[q];
-      }
-      bar_arrive(&empty[s]);
-    }
-    sums[bid * 128 + tid] = acc;
-    asm volatile("bar.sync 1, 128;" ::: "memory");
-    if (tid == 0) times[2 * bid + 1] = gtime();
+    consume<NB, 2, BYTES>(buf + 2 * BYTES, ready, empty, sums, times, dump);
   }
 }
 
@@ -363,25 +355,7 @@ __device__ __forceinline__ void gather_half(const uint16_t* pool, const int* idx
       }
     }
   } else {
-    unsigned acc = 0;
-    for (int g = 0; g < HALF_BLOCKS; ++g) {
-      int st = g % STAGES;
-      bar_wait(&ready[st], (g / STAGES) & 1);
-      const uint4* v = reinterpret_cast<const uint4*>(buf + st * HALF_STAGE);
-#pragma unroll 4
-      for (int q = 0; q < 16; ++q) {
-        uint4 x = v[q * 128 + tid];
-        acc += x.x ^ x.y ^ x.z ^ x.w;
-      }
-      if (g == HALF_BLOCKS - 1 && bid == 0) {
-        const uint16_t* s16 = reinterpret_cast<const uint16_t*>(buf + st * HALF_STAGE);
-        for (int q = tid; q < HALF_STAGE / 2; q += 128) dump[q] = s16[q];
-      }
-      bar_arrive(&empty[st]);
-    }
-    sums[bid * 128 + tid] = acc;
-    asm volatile("bar.sync 1, 128;" ::: "memory");
-    if (tid == 0) times[2 * bid + 1] = gtime();
+    consume<HALF_BLOCKS, STAGES, HALF_STAGE>(buf, ready, empty, sums, times, dump);
   }
 }
 
