@@ -24,7 +24,14 @@ from pathlib import Path
 import jax
 import jax.numpy as jnp
 import numpy as np
-from bench_moe import fp8_cases, fp8_grouped_ep_cases, moe_cases, moe_fp8_cases, rel_err  # noqa: E402 (the script's directory is on sys.path)
+from bench_moe import (  # noqa: E402 (the script's directory is on sys.path)
+    fp8_cases,
+    fp8_grouped_ep_cases,
+    moe_cases,
+    moe_fp4_cases,
+    moe_fp8_cases,
+    rel_err,
+)
 from profile_decode import kernel_table  # noqa: E402
 
 from djax.kernels.indexer import index_scores, indexer_topk
@@ -514,6 +521,7 @@ def run(
         "fp8_grouped_ep": fp8_grouped_ep_cases,
         "fp8_linear": fp8_linear_cases,
         "moe_fp8": moe_fp8_cases,
+        "moe_fp4": moe_fp4_cases,
     }
     for section in (s for s in cases if s in only):
         save()
@@ -615,7 +623,8 @@ if __name__ == "__main__":
         help="comma list of sections: attn (sparse decode attention), index (indexer scores + top-k), topk, moe, "
         "fp8, attn_blocks (not in the default: the sparse decode at b 64 over 1 to 5 key blocks per split), "
         "fp8_linear (not in the default: the model's FP8 projections with and without fp8_gemm), moe_fp8 (not in "
-        "the default: routed experts with FP8 weights, made dense on use or read by the FP8 grouped GEMMs), "
+        "the default: routed experts with FP8 weights, made dense on use or read by the FP8 grouped GEMMs), moe_fp4 "
+        "(not in the default: V4.1-Flash's FP4 routed experts, made dense on use or read as stored), "
         "fp8_grouped_ep (not in the default: FP8 grouped contiguous at few groups of many rows, an "
         "expert-parallel rank's local experts)",
     )

@@ -649,6 +649,95 @@ def moe_fp8_cases(record, small: bool):
             )
 
 
+def fp4_stack(key, e, o, i):
+    """Random FP4 experts [e, o, i] as V4.1 stores them: every e2m1 code, UE8M0 scales of 2^-9 to 2^-7 (the
+    products of O(1) activations stay O(1) at these widths). Made on the device, a stack is 7 GB at V4.1-Flash
+    shapes."""
+    from djax.quant import E8M0, from_fp4
+
+    k1, k2 = jax.random.split(key)
+    packed = jax.random.bits(k1, (e, o, i // 2), jnp.uint8)
+    scale = jax.random.randint(k2, (e, o, i // 32), 118, 121).astype(jnp.uint8)
+    return from_fp4(packed, jax.lax.bitcast_convert_type(scale, E8M0))
+
+
+def moe_fp4_cases(record, small: bool):
+    """Routed experts with FP4 weights (V4.1-Flash: d 5120, f 2304, e 384, top-6; e2m1 codes with per-32
+    UE8M0 scales) at decode and prefill token counts: made dense on use then the bf16 grouped GEMMs (the path
+    before the kernels read FP4; the speed-up column is over it), read as stored by the same kernels (FP4
+    tiles decoded in registers, per tiling; "auto" the default), and for scale the bf16 kernels on bf16
+    weights. Bytes: the touched experts' FP4 codes and scales. Checked against the jnp reference (the stack
+    made dense) on the first tokens."""
+    from djax.kernels.moe_experts import PREFILL_CFG, default_config
+    from djax.quant import dense
+
+    d, f, e, k = (5120, 2304, 384, 6) if not small else (256, 128, 8, 2)
+    keys = jax.random.split(jax.random.key(7), 3)
+    q1, q3 = fp4_stack(keys[0], e, f, d), fp4_stack(keys[1], e, f, d)
+    q2 = fp4_stack(keys[2], e, d, f)
+    per_expert = {"fp4": sum(q.nbytes for q in (q1, q2, q3)) // e, "bf16": 3 * f * d * 2}
+    check_tokens = 4
+    exact = GemmConfig(block_m=1)  # the reference ignores tiles; one row per pick keeps it small
+
+    def ref_first(x, w, i, *ws):
+        c = check_tokens
+        return moe_experts(x[:c], w[:c], i[:c], *ws, LIMIT, impl="ref", cfg=exact)
+
+    def first(out):
+        return out[:check_tokens]
+
+    def dense_on_use(x, w, i, *ws):
+        return moe_experts(x, w, i, *(dense(q, x.dtype) for q in ws), LIMIT, impl="triton")
+
+    # FP4 tiles take a third of bf16's shared memory, so deeper pipelines fit: 8 stages at decode
+    tilings = [
+        DECODE_CFG,
+        replace(DECODE_CFG, num_stages=8),
+        GemmConfig(16, 64, 128, 4, 4),
+        PREFILL_CFG,
+        GemmConfig(64, 128, 128, 4, 4),
+    ]
+    b1, b2, b3 = (dense(q, BF16) for q in (q1, q2, q3))
+    for n in (1, 64, 4096) if not small else (3, 40):
+        sets = []
+        for s in range(4):
+            w, idx = _routing(jax.random.key(60 + s), n, e, k)
+            x = jax.random.normal(jax.random.key(65 + s), (n, d), BF16)
+            sets.append((x, w, idx, q1, q2, q3))
+        touched = int((np.bincount(np.asarray(sets[0][2]).ravel(), minlength=e) > 0).sum())
+        flops = 2 * n * k * d * f * 3
+        nbytes = touched * per_expert["fp4"]
+        shape = f"n{n} d{d} f{f} e{e} k{k}"
+        check = (ref_first, first)
+        tr = record(
+            "moe_fp4", shape, "fp4 dense on use, triton bf16 kernels", dense_on_use, sets, flops, nbytes
+        )
+        record(
+            "moe_fp4",
+            shape,
+            "bf16 weights, triton bf16 kernels",
+            lambda *a: moe_experts(*a, LIMIT, impl="triton"),
+            [(x, w, idx, b1, b2, b3) for x, w, idx, *_ in sets],
+            flops,
+            touched * per_expert["bf16"],
+            tr,
+        )
+        default = default_config(n * k, e)
+        for cfg in tilings:
+            record(
+                "moe_fp4",
+                shape,
+                f"fp4 read as stored {tiles(cfg)} bk{cfg.block_k}" + (" (default)" if cfg == default else ""),
+                lambda *a, cfg=cfg: moe_experts(*a, LIMIT, impl="triton", cfg=cfg),
+                sets,
+                flops,
+                nbytes,
+                tr,
+                check,
+            )
+        record("moe_fp4", shape, "auto", lambda *a: moe_experts(*a, LIMIT), sets, flops, nbytes, tr, check)
+
+
 def tiles(cfg) -> str:
     return f"bm{cfg.block_m} bn{cfg.block_n} w{cfg.num_warps} st{cfg.num_stages}"
 

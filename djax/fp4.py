@@ -45,6 +45,12 @@ def ue8m0_to_float(scale) -> jnp.ndarray:
     return s.astype(jnp.float32)
 
 
+def exponent_bytes(scale) -> jnp.ndarray:
+    """UE8M0 scales (float8_e8m0fnu or uint8) as their exponent bytes, uint8: what the FP4 kernels read."""
+    s = jnp.asarray(scale)
+    return s if s.dtype == jnp.uint8 else jax.lax.bitcast_convert_type(s, jnp.uint8)
+
+
 def dequantize_fp4(packed, scale, dtype=jnp.bfloat16) -> jnp.ndarray:
     """packed int8[..., out, in / 2] with scale [..., out, in / 32] -> dtype[..., out, in]."""
     w = unpack_e2m1(packed)

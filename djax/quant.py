@@ -80,6 +80,12 @@ class QArray:
         return (jnp.asarray(self.values).astype(jnp.float32) * s).astype(dtype)
 
 
+def is_ue8m0_fp4(w) -> bool:
+    """Whether w is an FP4 QArray with UE8M0 scales (float8_e8m0fnu or uint8 bytes): the form V4.1's routed
+    experts load in, which the grouped GEMM kernels read as stored. FP4 with float scales is made dense."""
+    return isinstance(w, QArray) and w.is_fp4 and jnp.dtype(w.scale.dtype) in (E8M0, jnp.dtype(jnp.uint8))
+
+
 def from_fp4(packed, scale) -> QArray:
     """An FP4 QArray from packed codes (int8 / uint8 [..., o, i / 2]) and scales [..., o, i / 32].
 

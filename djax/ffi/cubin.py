@@ -25,6 +25,7 @@ _TRITON_TYPES = {
     np.dtype("int32"): "i32",
     np.dtype("int64"): "i64",
     np.dtype("uint64"): "u64",
+    np.dtype("uint8"): "u8",
     np.dtype("float16"): "fp16",
     np.dtype(jax.numpy.bfloat16): "bf16",
     np.dtype(jax.numpy.float8_e4m3fn): "fp8e4nv",

@@ -4,6 +4,10 @@ impl: "auto" (Triton on CUDA, else ref), "ref", "triton" (cubin launched on XLA'
 (the Triton kernel run by its CPU interpreter through a host callback; needs TRITON_INTERPRET=1, for tests).
 Rows the Triton kernels skip (padding rows, rows past a group's count) are left unwritten: their contents
 are undefined ("interpret" returns nan there), where the reference returns 0.
+
+Weights are arrays or `QArray`s. FP4 ones with UE8M0 scales (V4.1's routed experts, `quant.is_ue8m0_fp4`) are
+read as stored by the Triton kernels, which decode each tile in registers; the reference, and every impl for
+other quantized weights, makes them dense in a's dtype first (exactly the values the kernels decode).
 """
 
 from __future__ import annotations
@@ -12,9 +16,11 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
+from djax import fp4
 from djax.kernels import grouped_gemm_ref as ref
 from djax.kernels.dispatch import resolve
 from djax.kernels.grouped_gemm_triton import GemmConfig, masked_config
+from djax.quant import dense, is_ue8m0_fp4
 
 __all__ = ["GemmConfig", "grouped_gemm", "grouped_gemm_masked", "grouped_swiglu", "grouped_swiglu_masked"]
 
@@ -28,13 +34,13 @@ MASKED_CFGS = (GemmConfig(), GemmConfig(64, 128, 64, 4, 4), GemmConfig(16, 128, 
 def grouped_gemm(a, b, m_indices, rows=None, impl: str = "auto", cfg: GemmConfig | None = None):
     """Contiguous layout: out[i] = a[rows[i]] @ b[m_indices[i]]^T.
 
-    a bf16[m, k] (or [n, k] gathered through rows int32[m], -1 = zero row); b bf16[g, n_out, k];
+    a bf16[m, k] (or [n, k] gathered through rows int32[m], -1 = zero row); b bf16[g, n_out, k] (or a QArray);
     m_indices int32[m]: rows sorted by group, every group starting at a multiple of cfg.block_m, -1 for
     padding (a tile whose first row is -1 is skipped). m must be a multiple of cfg.block_m. Returns [m, n_out].
     """
     impl = resolve(impl, IMPLS)
     if impl == "ref":
-        return ref.contiguous_ref(a, b, m_indices, rows)
+        return ref.contiguous_ref(a, dense(b, a.dtype), m_indices, rows)
     return _run(impl, a, b, None, m_indices, rows, False, 0.0, cfg)
 
 
@@ -43,7 +49,7 @@ def grouped_gemm_masked(a, b, masked_m, impl: str = "auto", cfg: GemmConfig | No
     M must be a multiple of cfg.block_m (no cfg: of 16, the tiles taken from MASKED_CFGS). Returns [g, M, n]."""
     impl = resolve(impl, IMPLS)
     if impl == "ref":
-        return ref.masked_ref(a, b, masked_m)
+        return ref.masked_ref(a, dense(b, a.dtype), masked_m)
     return _run(impl, a, b, None, masked_m, None, True, 0.0, cfg)
 
 
@@ -54,7 +60,7 @@ def grouped_swiglu(
     (no clamp when limit <= 0). w1, w3 bf16[g, f, k]. Layout rules as `grouped_gemm`. Returns [m, f]."""
     impl = resolve(impl, IMPLS)
     if impl == "ref":
-        return ref.swiglu_contiguous_ref(a, w1, w3, m_indices, limit, rows)
+        return ref.swiglu_contiguous_ref(a, dense(w1, a.dtype), dense(w3, a.dtype), m_indices, limit, rows)
     return _run(impl, a, w1, w3, m_indices, rows, False, limit, cfg)
 
 
@@ -64,57 +70,74 @@ def grouped_swiglu_masked(
     """Masked layout, gate and up fused. a bf16[g, M, k]; w1, w3 bf16[g, f, k]. Returns [g, M, f]."""
     impl = resolve(impl, IMPLS)
     if impl == "ref":
-        return ref.swiglu_masked_ref(a, w1, w3, masked_m, limit)
+        return ref.swiglu_masked_ref(a, dense(w1, a.dtype), dense(w3, a.dtype), masked_m, limit)
     return _run(impl, a, w1, w3, masked_m, None, True, limit, cfg)
+
+
+def _weights(a, b, b3):
+    """The kernels' weight operands: (values..., scale exponent bytes...) read as stored when every weight is
+    FP4 the kernels read, else the weights made dense in a's dtype and no scales."""
+    ws = [b] if b3 is None else [b, b3]
+    if all(is_ue8m0_fp4(w) for w in ws):
+        return [w.values for w in ws], [fp4.exponent_bytes(w.scale) for w in ws]
+    return [dense(w, a.dtype) for w in ws], []
 
 
 def _run(impl, a, b, b3, groups, rows, masked, limit, cfg):
     cfg = cfg or (masked_config(a.shape[1], MASKED_CFGS) if masked else GemmConfig())
-    b = b.astype(a.dtype)
-    b3 = None if b3 is None else b3.astype(a.dtype)
+    weights, scales = _weights(a, b, b3)
     groups = groups.astype(jnp.int32)
     rows = None if rows is None else rows.astype(jnp.int32)
-    nb, n, k = b.shape
+    nb, n, k = weights[0].shape
+    k = 2 * k if scales else k
     out_shape = (nb, a.shape[1], n) if masked else (groups.shape[0], n)
-    if impl == "interpret":
-        return _interpret(a, b, b3, groups, rows, masked, limit, cfg, out_shape)
-    from djax.ffi import cubin
     from djax.kernels import grouped_gemm_triton as tk
 
     mg = a.shape[1] if masked else 0
     m = nb * mg if masked else groups.shape[0]
-    cx = tk.constexprs(m, n, k, mg, masked, rows is not None, cfg)
-    weights = [b] if b3 is None else [b, b3]
-    wnames = ["b_ptr"] if b3 is None else ["w1_ptr", "w3_ptr"]
-    args = [a, groups if rows is None else rows, *weights, groups]
-    names = ["a_ptr", "rows_ptr", *wnames, "grp_ptr", "c_ptr" if b3 is None else "h_ptr"]
-    if b3 is None:
-        fn = tk.grouped_gemm_kernel
-    else:
+    cx = tk.constexprs(m, n, k, mg, masked, rows is not None, cfg, bool(scales))  # checked at trace time
+    if impl == "interpret":
+        return _interpret(a, weights, scales, groups, rows, masked, limit, cfg, out_shape)
+    from djax.ffi import cubin
+
+    fused = b3 is not None
+    # the scale pointers are unread without FP4: any int32 buffer stands in
+    scales = scales or [groups] * len(weights)
+    args = [a, groups if rows is None else rows, *weights, *scales, groups]
+    wnames = ["w1_ptr", "w3_ptr", "s1_ptr", "s3_ptr"] if fused else ["b_ptr", "bs_ptr"]
+    names = ["a_ptr", "rows_ptr", *wnames, "grp_ptr", "h_ptr" if fused else "c_ptr"]
+    if fused:
         fn, cx = tk.grouped_swiglu_kernel, {**cx, "LIMIT": float(limit)}
+    else:
+        fn = tk.grouped_gemm_kernel
     kern = cubin.compile_triton(
         fn, names, [x.dtype for x in args] + [a.dtype], cx, cfg.num_warps, cfg.num_stages
     )
     return cubin.launch(kern, tk.grid(m, n, cfg), args, jax.ShapeDtypeStruct(out_shape, a.dtype))
 
 
-def _interpret(a, b, b3, groups, rows, masked, limit, cfg, out_shape):
-    def host(a, b, b3, groups, rows):
+def _interpret(a, weights, scales, groups, rows, masked, limit, cfg, out_shape):
+    def host(a, weights, scales, groups, rows):
         import torch
 
         from djax.kernels.grouped_gemm_triton import launch_torch
 
-        t = lambda x: None if x is None else torch.from_numpy(np.array(x, np.float32))  # noqa: E731
+        f32 = lambda x: torch.from_numpy(np.array(x, np.float32))  # noqa: E731
+        raw = lambda x: torch.from_numpy(np.array(x))  # noqa: E731
+        # FP4 codes and scales go in as their bytes; other weights as float32 stand-ins
+        w = [raw(x) if scales else f32(x) for x in weights]
         out = launch_torch(
-            t(a),
-            t(b),
-            torch.from_numpy(np.array(groups)),
-            None if rows is None else torch.from_numpy(np.array(rows)),
+            f32(a),
+            w[0],
+            raw(groups),
+            None if rows is None else raw(rows),
             masked,
-            t(b3),
+            w[1] if len(w) > 1 else None,
             limit,
             cfg,
+            [raw(x) for x in scales] or None,
         )
         return out.numpy().astype(a.dtype)
 
-    return jax.pure_callback(host, jax.ShapeDtypeStruct(out_shape, a.dtype), a, b, b3, groups, rows)
+    out = jax.ShapeDtypeStruct(out_shape, a.dtype)
+    return jax.pure_callback(host, out, a, weights, scales, groups, rows)

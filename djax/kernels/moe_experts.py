@@ -1,9 +1,10 @@
 """Routed MoE experts from grouped GEMMs: sort picks by expert into BLOCK_M-aligned groups, fused gate/up
 SwiGLU, down projection, weighted gather-combine. Same contract as `experts_ragged` in djax/models/moe.py.
 
-`moe_experts` takes bf16 weights (an FP8 or FP4 QArray is made dense first: a bf16 copy of the whole expert
-stack on every call); `moe_experts_fp8` runs FP8 experts in DeepGEMM's layout as they are stored, through the
-block-scaled grouped GEMM, with the activations quantized 1x128 as DeepSeek's inference does."""
+`moe_experts` takes bf16 weights or FP4 ones with UE8M0 scales (V4.1's routed experts), which its kernels read
+as stored and decode tile by tile; an FP8 QArray is made dense first there (a bf16 copy of the whole expert
+stack on every call), and `moe_experts_fp8` runs FP8 experts in DeepGEMM's layout as they are stored, through
+the block-scaled grouped GEMM, with the activations quantized 1x128 as DeepSeek's inference does."""
 
 from __future__ import annotations
 
@@ -20,7 +21,6 @@ from djax.kernels.fp8_gemm_ref import quantize_act
 from djax.kernels.fp8_gemm_triton import Fp8Config, fewest_splits
 from djax.kernels.grouped_gemm import GemmConfig, grouped_gemm, grouped_swiglu
 from djax.models.layers import takes_fp8_grouped
-from djax.quant import dense
 
 # Picks per expert decide the tile height: small tiles waste less padding at decode sizes.
 DECODE_CFG = GemmConfig(block_m=16, block_n=128, block_k=128, num_warps=4, num_stages=4)
@@ -223,7 +223,8 @@ def moe_experts(
     x, weights, idx, w1, w2, w3, limit: float, impl: str = "auto", cfg: GemmConfig | None = None
 ) -> jax.Array:
     """Routed experts via grouped GEMMs. x: [n, d]; weights f32[n, k]; idx int32[n, k]; w1, w3: [e, f, d];
-    w2: [e, d, f] (plain or QArray, made dense in x's dtype). Returns [n, d] in x's dtype.
+    w2: [e, d, f], plain (cast to x's dtype) or QArrays: FP4 with UE8M0 scales read as stored by the kernels
+    (`grouped_gemm`), others made dense in x's dtype. Returns [n, d] in x's dtype.
 
     impl as in `grouped_gemm` ("interpret" runs the Triton kernels in the CPU interpreter). Picks with an
     expert id outside [0, e) contribute nothing.
@@ -233,8 +234,8 @@ def moe_experts(
     cfg = cfg or default_config(n * k, e)
     lay = layout(idx, e, cfg.block_m, impl)
     dt = x.dtype
-    h = grouped_swiglu(x, dense(w1, dt), dense(w3, dt), lay.m_indices, limit, lay.rows, impl, cfg)
-    y = grouped_gemm(h, dense(w2, dt), lay.m_indices, None, impl, cfg)  # [m_pad, d]
+    h = grouped_swiglu(x, w1, w3, lay.m_indices, limit, lay.rows, impl, cfg)
+    y = grouped_gemm(h, w2, lay.m_indices, None, impl, cfg)  # [m_pad, d]
     return _combine(y, lay, weights, n, k, d).astype(dt)
 
 

@@ -134,7 +134,8 @@ def experts_fp8(x, weights, idx, w1, w2, w3, limit: float, impl: str = "auto") -
 
 def experts_grouped(x, weights, idx, w1, w2, w3, limit: float, fp8: str | None = None) -> jax.Array:
     """The fast path, chosen by the (static) shapes and the backend. On CUDA the Triton grouped GEMMs at
-    every size (for FP8 weights that `takes_fp8_grouped`, the FP8 ones: `experts_fp8`): they read each
+    every size (for FP8 weights that `takes_fp8_grouped`, the FP8 ones: `experts_fp8`; FP4 experts with
+    UE8M0 scales, V4.1's, are read as stored by the bf16 ones, which decode each tile): they read each
     touched expert once, while XLA lowers `ragged_dot` densely there (every expert on every row) and the
     gather path writes a copy of every (token, choice)'s matrices (on the H200 it made a 32-row decode step
     2.3x slower than a 128-row one). Elsewhere gather for a few tokens, all experts batched for a

@@ -1,0 +1,195 @@
+"""Grouped GEMMs with FP4 weights (e2m1 codes, one UE8M0 scale per 32 inputs; V4.1's routed experts): the
+Triton kernels' in-register decode (interpreted, f32) against `fp4.dequantize_fp4` exactly, the contiguous
+and masked GEMMs and SwiGLU against their references, and `moe_experts` on FP4 QArrays against the model's
+dense experts, reading the codes as stored (no dense copy of the stack)."""
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+from checks import assert_close, needs_triton_interp
+
+from djax import fp4
+from djax.kernels.grouped_gemm import (
+    GemmConfig,
+    grouped_gemm,
+    grouped_gemm_masked,
+    grouped_swiglu,
+    grouped_swiglu_masked,
+)
+from djax.kernels.moe_experts import moe_experts
+from djax.models.moe import experts_dense
+from djax.quant import QArray, dense, from_fp4, is_ue8m0_fp4
+
+# 32-wide K steps: the smallest the 32-input scale groups allow
+SMALL = GemmConfig(block_m=16, block_n=16, block_k=32, num_warps=4, num_stages=1)
+WIDE_K = GemmConfig(block_m=16, block_n=32, block_k=64, num_warps=4, num_stages=1)
+
+
+def _fp4_weight(rng, shape, scales=(118, 126)) -> QArray:
+    """A random FP4 QArray of logical shape [..., o, i]: every code, UE8M0 scales in [lo, hi)."""
+    *lead, o, i = shape
+    packed = rng.integers(0, 256, (*lead, o, i // 2), dtype=np.uint8)
+    scale = rng.integers(*scales, (*lead, o, i // fp4.GROUP), dtype=np.uint8)
+    return from_fp4(jnp.asarray(packed), jnp.asarray(scale))
+
+
+def _contiguous_groups(sizes, bm):
+    """m_indices for groups of `sizes`, each padded to bm, and one trailing empty tile."""
+    mi = []
+    for g, s in enumerate(sizes):
+        mi += [g] * s + [-1] * (-(-s // bm) * bm - s)
+    return np.array(mi + [-1] * bm, np.int32)
+
+
+@needs_triton_interp
+def test_kernel_decodes_every_code_and_scale_exactly():
+    """Identity activations make each output row one input column of the weight, so the kernel's decoded
+    tile is read back directly: every e2m1 code under scales from the subnormal 2^-127 to 2^125,
+    against `fp4.dequantize_fp4`, exactly; a scale byte of 255 (nan in float8_e8m0fnu) gives nan there."""
+    rng = np.random.default_rng(0)
+    n, k = 20, 96  # n past the 16-wide tiles' edge
+    codes = rng.integers(0, 16, (1, n, k)).astype(np.uint8)
+    codes[0, 0, :16] = np.arange(16)
+    # 252 is the largest whose 6 x 2^(s - 127) is finite in float32 (an inf would make 0 x inf = nan in the sums)
+    scale = rng.choice([0, 1, 2, 60, 126, 127, 128, 200, 251, 252], (1, n, k // fp4.GROUP)).astype(np.uint8)
+    w = from_fp4(jnp.asarray(fp4.pack_e2m1(codes)), jnp.asarray(scale))
+    a = jnp.eye(k, dtype=jnp.float32)
+    mi = jnp.zeros((k,), jnp.int32)
+    got = np.asarray(grouped_gemm(a, w, mi, impl="interpret", cfg=SMALL))
+    want = np.asarray(fp4.dequantize_fp4(w.values, w.scale, jnp.float32))[0].T
+    # equal as numbers: a sum of products cannot keep -0.0 (-0 + 0 = +0), every other bit pattern must match
+    np.testing.assert_array_equal(got, want)
+
+    scale[0, 3, 1] = 255
+    w = from_fp4(jnp.asarray(fp4.pack_e2m1(codes)), jnp.asarray(scale))
+    got = np.asarray(grouped_gemm(a, w, mi, impl="interpret", cfg=SMALL))
+    ref = np.asarray(grouped_gemm(a, w, mi, impl="ref"))
+    np.testing.assert_array_equal(np.isnan(got), np.isnan(ref))
+    assert np.isnan(got[:, 3]).all() and not np.isnan(np.delete(got, 3, axis=1)).any()
+
+
+@needs_triton_interp
+@pytest.mark.parametrize("cfg", [SMALL, WIDE_K], ids=["k32", "k64"])
+def test_contiguous_fp4_matches_reference(cfg):
+    """Rows gathered through `rows`, uneven groups, an empty one; k 160 is not a multiple of 64-wide K
+    steps (their second half reads past the row, masked), n 40 not of the column tiles."""
+    rng = np.random.default_rng(1)
+    g, n, k, n_src = 4, 40, 160, 9
+    mi = _contiguous_groups([5, 0, 20, 3], cfg.block_m)
+    rows = np.where(mi >= 0, rng.integers(0, n_src, mi.size), -1).astype(np.int32)
+    a = jnp.asarray(rng.standard_normal((n_src, k)), jnp.float32)
+    w1, w3 = _fp4_weight(rng, (g, n, k)), _fp4_weight(rng, (g, n, k))
+    live = mi >= 0
+    mi, rows = jnp.asarray(mi), jnp.asarray(rows)
+    out = grouped_gemm(a, w1, mi, rows, impl="interpret", cfg=cfg)
+    want = grouped_gemm(a, w1, mi, rows, impl="ref")
+    assert_close(np.asarray(out)[live], np.asarray(want)[live], 1e-5)
+    h = grouped_swiglu(a, w1, w3, mi, 1.5, rows, impl="interpret", cfg=cfg)
+    hr = grouped_swiglu(a, w1, w3, mi, 1.5, rows, impl="ref")
+    assert_close(np.asarray(h)[live], np.asarray(hr)[live], 1e-5)
+    # the reference is the dense weight's: the same numbers as the plain kernels on dense weights
+    dense_out = grouped_gemm(a, dense(w1, jnp.float32), mi, rows, impl="interpret", cfg=cfg)
+    assert_close(np.asarray(out)[live], np.asarray(dense_out)[live], 1e-6)
+
+
+@needs_triton_interp
+def test_masked_fp4_matches_reference_and_skips_dead_tiles():
+    rng = np.random.default_rng(2)
+    g, mm, n, k = 4, 32, 32, 96
+    a = jnp.asarray(rng.standard_normal((g, mm, k)), jnp.float32)
+    w1, w3 = _fp4_weight(rng, (g, n, k)), _fp4_weight(rng, (g, n, k))
+    cnt = jnp.asarray([0, 32, 17, 1], jnp.int32)
+    live = np.arange(mm)[None] < np.asarray(cnt)[:, None]
+    out = np.asarray(grouped_gemm_masked(a, w1, cnt, impl="interpret", cfg=SMALL))
+    assert_close(out[live], np.asarray(grouped_gemm_masked(a, w1, cnt, impl="ref"))[live], 1e-5)
+    assert np.isnan(out[0]).all() and np.isnan(out[2, -1]).all()  # tiles past the count: never written
+    h = np.asarray(grouped_swiglu_masked(a, w1, w3, cnt, 0.0, impl="interpret", cfg=SMALL))
+    assert_close(h[live], np.asarray(grouped_swiglu_masked(a, w1, w3, cnt, 0.0, impl="ref"))[live], 1e-5)
+
+
+def _moe_fp4_inputs(rng, n, d, f, e, k):
+    probs = rng.dirichlet(np.full(e, 0.5))
+    idx = np.stack([rng.choice(e, k, replace=False, p=probs) for _ in range(n)]).astype(np.int32)
+    weights = jnp.asarray(rng.random((n, k)), jnp.float32)
+    x = jnp.asarray(rng.standard_normal((n, d)), jnp.float32)
+    # scales near 2^-4: the activations stay O(1) through the two layers
+    fp4_w = lambda shape: _fp4_weight(rng, shape, (121, 125))  # noqa: E731
+    return x, weights, jnp.asarray(idx), fp4_w((e, f, d)), fp4_w((e, d, f)), fp4_w((e, f, d))
+
+
+@needs_triton_interp
+@pytest.mark.parametrize("n", [1, 23])
+def test_moe_experts_reads_fp4_as_stored_and_matches_the_model(n):
+    """`moe_experts` on FP4 QArrays (interpreted kernels) against the model's slow twin `experts_dense` on
+    the same QArrays, and no float array of the stack's size in the traced computation: the codes are what
+    the kernels read."""
+    rng = np.random.default_rng(3 + n)
+    e, d, f = 8, 64, 96
+    x, weights, idx, w1, w2, w3 = _moe_fp4_inputs(rng, n, d, f, e, 3)
+    cfg = GemmConfig(block_m=16, block_n=32, block_k=32, num_warps=4, num_stages=1)
+    run = jax.jit(lambda *a: moe_experts(*a, 1.5, impl="interpret", cfg=cfg))
+    out = run(x, weights, idx, w1, w2, w3)
+    want = jax.jit(lambda *a: experts_dense(*a, 1.5))(x, weights, idx, w1, w2, w3)
+    assert_close(out, want, 1e-5)
+
+    jaxpr = jax.make_jaxpr(lambda *a: moe_experts(*a, 1.5, impl="interpret", cfg=cfg))(
+        x, weights, idx, w1, w2, w3
+    )
+    stacks = {(e, f, d), (e, d, f)}
+    made = [v.aval for eqn in jaxpr.eqns for v in eqn.outvars if tuple(v.aval.shape) in stacks]
+    assert not [v for v in made if jnp.issubdtype(v.dtype, jnp.floating)], made
+
+
+def test_fp4_with_float_scales_is_made_dense_and_still_right():
+    """The format's QArray also allows float scales; the kernels read only UE8M0 bytes, so such weights take
+    the dense route, through the reference here."""
+    rng = np.random.default_rng(4)
+    w = _fp4_weight(rng, (2, 16, 64))
+    wf = QArray(w.values, w.scale.astype(jnp.float32), w.block)
+    assert is_ue8m0_fp4(w) and not is_ue8m0_fp4(wf)
+    assert not is_ue8m0_fp4(dense(w, jnp.float32))
+    a = jnp.asarray(rng.standard_normal((2, 16, 64)), jnp.float32)
+    cnt = jnp.asarray([16, 5], jnp.int32)
+    np.testing.assert_array_equal(
+        np.asarray(grouped_gemm_masked(a, wf, cnt, impl="ref")),
+        np.asarray(grouped_gemm_masked(a, w, cnt, impl="ref")),
+    )
+
+
+def test_fp4_config_must_step_whole_scale_groups():
+    rng = np.random.default_rng(5)
+    w = _fp4_weight(rng, (2, 16, 64))
+    a = jnp.asarray(rng.standard_normal((2, 16, 64)), jnp.float32)
+    bad = GemmConfig(block_m=16, block_n=16, block_k=16, num_warps=4, num_stages=1)
+    with pytest.raises(ValueError, match="FP4 weights need BLOCK_K 16 and K 64 multiples of their 32-input"):
+        grouped_gemm_masked(a, w, jnp.asarray([3, 4], jnp.int32), impl="interpret", cfg=bad)
+
+
+@pytest.mark.parametrize("fused", [True, False], ids=["gate_up", "down"])
+@pytest.mark.parametrize("tiles", ["decode", "prefill"])
+def test_fp4_kernels_compile_to_sm90_cubins(fused, tiles):
+    """The FP4 kernels at V4.1-Flash's expert shapes (d 5120, f 2304) with `moe_experts`' default tiles
+    compile for sm_90 within its shared memory (no GPU needed): uint8 operands included."""
+    pytest.importorskip("triton")
+    from djax.ffi.cubin import MAX_SHARED_BYTES, compile_triton
+    from djax.kernels import grouped_gemm_triton as tk
+    from djax.kernels.moe_experts import DECODE_CFG, PREFILL_CFG
+
+    cfg = DECODE_CFG if tiles == "decode" else PREFILL_CFG
+    n, k = (2304, 5120) if fused else (5120, 2304)
+    cx = tk.constexprs(384 * cfg.block_m, n, k, 0, False, fused, cfg, fp4=True)
+    bf16, u8, i32 = jnp.bfloat16, jnp.uint8, jnp.int32
+    if fused:
+        names = ["a_ptr", "rows_ptr", "w1_ptr", "w3_ptr", "s1_ptr", "s3_ptr", "grp_ptr", "h_ptr"]
+        dtypes = [bf16, i32, u8, u8, u8, u8, i32, bf16]
+        fn, cx = tk.grouped_swiglu_kernel, {**cx, "LIMIT": 10.0}
+    else:
+        names, dtypes = (
+            ["a_ptr", "rows_ptr", "b_ptr", "bs_ptr", "grp_ptr", "c_ptr"],
+            [bf16, i32, u8, u8, i32, bf16],
+        )
+        fn = tk.grouped_gemm_kernel
+    kern = compile_triton(fn, names, dtypes, cx, cfg.num_warps, cfg.num_stages)
+    assert kern.binary[:4] == b"\x7fELF" and kern.threads == 32 * cfg.num_warps
+    assert 0 < kern.shared_bytes <= MAX_SHARED_BYTES
