@@ -90,6 +90,9 @@ def _run(impl, a, b, b3, groups, rows, masked, limit, cfg):
     rows = None if rows is None else rows.astype(jnp.int32)
     nb, n, k = weights[0].shape
     k = 2 * k if scales else k
+    if k != a.shape[-1] or any(w.shape != weights[0].shape for w in weights):
+        shapes = " and ".join(str(tuple(w.shape)) for w in (b, b3) if w is not None)
+        raise ValueError(f"grouped GEMM: weights {shapes} do not take a's {a.shape[-1]} inputs [g, out, in]")
     out_shape = (nb, a.shape[1], n) if masked else (groups.shape[0], n)
     from djax.kernels import grouped_gemm_triton as tk
 

@@ -166,6 +166,19 @@ def test_fp4_config_must_step_whole_scale_groups():
         grouped_gemm_masked(a, w, jnp.asarray([3, 4], jnp.int32), impl="interpret", cfg=bad)
 
 
+def test_fp4_weights_of_the_wrong_width_are_refused():
+    """Packed codes hold two inputs a byte: a weight whose logical width is not a's is named, not misread."""
+    pytest.importorskip("triton")
+    rng = np.random.default_rng(6)
+    a = jnp.asarray(rng.standard_normal((2, 16, 64)), jnp.float32)
+    cnt = jnp.asarray([3, 4], jnp.int32)
+    narrow = _fp4_weight(rng, (2, 16, 32))  # 32 inputs: packed [2, 16, 16]
+    with pytest.raises(ValueError, match=r"weights \(2, 16, 32\) do not take a's 64 inputs"):
+        grouped_gemm_masked(a, narrow, cnt, impl="interpret", cfg=SMALL)
+    with pytest.raises(ValueError, match="do not take a's 64 inputs"):
+        grouped_swiglu_masked(a, _fp4_weight(rng, (2, 16, 64)), narrow, cnt, 0.0, impl="interpret", cfg=SMALL)
+
+
 @pytest.mark.parametrize("fused", [True, False], ids=["gate_up", "down"])
 @pytest.mark.parametrize("tiles", ["decode", "prefill"])
 def test_fp4_kernels_compile_to_sm90_cubins(fused, tiles):
@@ -193,3 +206,28 @@ def test_fp4_kernels_compile_to_sm90_cubins(fused, tiles):
     kern = compile_triton(fn, names, dtypes, cx, cfg.num_warps, cfg.num_stages)
     assert kern.binary[:4] == b"\x7fELF" and kern.threads == 32 * cfg.num_warps
     assert 0 < kern.shared_bytes <= MAX_SHARED_BYTES
+
+
+@needs_triton_interp
+def test_model_fast_path_hands_fp4_experts_to_the_kernels(monkeypatch):
+    """The model's MoE fast path as it runs on CUDA (`experts_grouped`, bf16 activations, widths multiples of
+    128), with the backend check answered yes and the kernels interpreted: FP4 experts reach the grouped GEMMs
+    as stored (no bf16 stack in the computation) and match the model's dense twin."""
+    from djax.kernels import dispatch
+    from djax.kernels import moe_experts as me
+    from djax.models.moe import experts_grouped
+
+    monkeypatch.setattr(dispatch, "on_cuda", lambda: True)
+    monkeypatch.setattr(me, "moe_experts_triton", lambda *a: moe_experts(*a, impl="interpret", cfg=SMALL))
+    rng = np.random.default_rng(7)
+    e, d, f = 8, 128, 128
+    x, weights, idx, w1, w2, w3 = _moe_fp4_inputs(rng, 5, d, f, e, 2)
+    x = x.astype(jnp.bfloat16)
+    run = lambda *a: experts_grouped(*a, 1.5)  # noqa: E731
+    jaxpr = jax.make_jaxpr(run)(x, weights, idx, w1, w2, w3)
+    made = [v.aval for eqn in jaxpr.eqns for v in eqn.outvars if tuple(v.aval.shape) == (e, f, d)]
+    assert not [v for v in made if jnp.issubdtype(v.dtype, jnp.floating)], made
+    out = jax.jit(run)(x, weights, idx, w1, w2, w3)
+    want = experts_dense(x.astype(jnp.float32), weights, idx, w1, w2, w3, 1.5)
+    assert out.dtype == jnp.bfloat16
+    assert_close(np.asarray(out, np.float32), want, 1e-2)
