@@ -18,6 +18,7 @@ import numpy as np
 
 from djax import fp4
 from djax.kernels import grouped_gemm_ref as ref
+from djax.kernels import shapes
 from djax.kernels.dispatch import resolve
 from djax.kernels.grouped_gemm_triton import GemmConfig, masked_config
 from djax.quant import dense, is_ue8m0_fp4
@@ -38,6 +39,7 @@ def grouped_gemm(a, b, m_indices, rows=None, impl: str = "auto", cfg: GemmConfig
     m_indices int32[m]: rows sorted by group, every group starting at a multiple of cfg.block_m, -1 for
     padding (a tile whose first row is -1 is skipped). m must be a multiple of cfg.block_m. Returns [m, n_out].
     """
+    shapes.grouped_contiguous("grouped_gemm", a, {"b": b}, m_indices, rows)
     impl = resolve(impl, IMPLS)
     if impl == "ref":
         return ref.contiguous_ref(a, dense(b, a.dtype), m_indices, rows)
@@ -47,6 +49,7 @@ def grouped_gemm(a, b, m_indices, rows=None, impl: str = "auto", cfg: GemmConfig
 def grouped_gemm_masked(a, b, masked_m, impl: str = "auto", cfg: GemmConfig | None = None):
     """Masked layout (decode): a bf16[g, M, k], the first masked_m[g] rows of group g live; b bf16[g, n, k].
     M must be a multiple of cfg.block_m (no cfg: of 16, the tiles taken from MASKED_CFGS). Returns [g, M, n]."""
+    shapes.grouped_masked("grouped_gemm_masked", a, {"b": b}, masked_m)
     impl = resolve(impl, IMPLS)
     if impl == "ref":
         return ref.masked_ref(a, dense(b, a.dtype), masked_m)
@@ -58,6 +61,7 @@ def grouped_swiglu(
 ):
     """Contiguous layout, gate and up fused: silu(min(a w1^T, limit)) * clip(a w3^T, -limit, limit) per row
     (no clamp when limit <= 0). w1, w3 bf16[g, f, k]. Layout rules as `grouped_gemm`. Returns [m, f]."""
+    shapes.grouped_contiguous("grouped_swiglu", a, {"w1": w1, "w3": w3}, m_indices, rows)
     impl = resolve(impl, IMPLS)
     if impl == "ref":
         return ref.swiglu_contiguous_ref(a, dense(w1, a.dtype), dense(w3, a.dtype), m_indices, limit, rows)
@@ -68,6 +72,7 @@ def grouped_swiglu_masked(
     a, w1, w3, masked_m, limit: float, impl: str = "auto", cfg: GemmConfig | None = None
 ):
     """Masked layout, gate and up fused. a bf16[g, M, k]; w1, w3 bf16[g, f, k]. Returns [g, M, f]."""
+    shapes.grouped_masked("grouped_swiglu_masked", a, {"w1": w1, "w3": w3}, masked_m)
     impl = resolve(impl, IMPLS)
     if impl == "ref":
         return ref.swiglu_masked_ref(a, dense(w1, a.dtype), dense(w3, a.dtype), masked_m, limit)
@@ -90,9 +95,6 @@ def _run(impl, a, b, b3, groups, rows, masked, limit, cfg):
     rows = None if rows is None else rows.astype(jnp.int32)
     nb, n, k = weights[0].shape
     k = 2 * k if scales else k
-    if k != a.shape[-1] or any(w.shape != weights[0].shape for w in weights):
-        shapes = " and ".join(str(tuple(w.shape)) for w in (b, b3) if w is not None)
-        raise ValueError(f"grouped GEMM: weights {shapes} do not take a's {a.shape[-1]} inputs [g, out, in]")
     out_shape = (nb, a.shape[1], n) if masked else (groups.shape[0], n)
     from djax.kernels import grouped_gemm_triton as tk
 

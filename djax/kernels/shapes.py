@@ -65,6 +65,31 @@ def fp8_masked(a, a_scale, b, b_scale, masked_m) -> None:
     expect(op, "masked_m", masked_m, (g,))
 
 
+def grouped_contiguous(op: str, a, weights: dict, m_indices, rows) -> None:
+    """The bf16 grouped GEMMs' contiguous layout: a [m, k] (or [t, k] gathered through rows [m]), m_indices
+    [m], every weight [g, n, k] alike (`weights` by name; QArrays by their logical shapes)."""
+    expect(op, "a", a, (None, None))
+    _same_weights(op, weights, (None, None, a.shape[1]))
+    expect(op, "m_indices", m_indices, (None,) if rows is not None else (a.shape[0],))
+    if rows is not None:
+        expect(op, "rows", rows, m_indices.shape)
+
+
+def grouped_masked(op: str, a, weights: dict, masked_m) -> None:
+    """The bf16 grouped GEMMs' masked layout: a [g, M, k], every weight [g, n, k] alike, masked_m [g]."""
+    expect(op, "a", a, (None, None, None))
+    g, _, k = a.shape
+    _same_weights(op, weights, (g, None, k))
+    expect(op, "masked_m", masked_m, (g,))
+
+
+def _same_weights(op: str, weights: dict, shape: tuple) -> None:
+    first = None
+    for name, w in weights.items():
+        expect(op, name, w, shape if first is None else first)
+        first = first or tuple(w.shape)
+
+
 def topk(scores, k, lengths) -> None:
     """scores [b, s]; k a non-negative int (it may exceed s: the missing picks are -1); lengths [b] or None."""
     expect("topk", "scores", scores, (None, None))

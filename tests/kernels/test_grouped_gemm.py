@@ -1,6 +1,8 @@
 """Grouped GEMMs for MoE: references against numpy; Triton kernels (interpreted, f32) against the references;
 `moe_experts` with the interpreted kernels against the model's `experts_dense` / `experts_ragged`."""
 
+import re
+
 import jax
 import jax.numpy as jnp
 import numpy as np
@@ -209,3 +211,46 @@ def test_moe_experts_ref_drops_invalid_ids():
     keep = w.at[0, 1].set(0).at[4, 0].set(0)
     assert_close(ours(x, w, bad, w1, w2, w3), dense(x, keep, jnp.clip(bad, 0, 3), w1, w2, w3), 1e-5)
     assert_close(ours(x, w, idx, w1, w2, w3), dense(x, w, idx, w1, w2, w3), 1e-5)
+
+
+def _bad_grouped(case):
+    """Operands of the bf16 grouped GEMMs with one wrong shape, the op to call, and the error it names."""
+    z = lambda *s: jnp.ones(s, jnp.float32)  # noqa: E731
+    i = lambda *s: jnp.zeros(s, jnp.int32)  # noqa: E731
+    return {
+        "b_width": (
+            grouped_gemm,
+            (z(32, 64), z(2, 16, 48), i(32)),
+            "b has shape [2, 16, 48], expected [*, *, 64]",
+        ),
+        "m_indices": (
+            grouped_gemm,
+            (z(32, 64), z(2, 16, 64), i(16)),
+            "m_indices has shape [16], expected [32]",
+        ),
+        "rows": (grouped_gemm, (z(9, 64), z(2, 16, 64), i(32), i(16)), "rows has shape [16], expected [32]"),
+        "w3": (
+            lambda a, w1, w3, m, impl: grouped_swiglu(a, w1, w3, m, 1.0, impl=impl),
+            (z(32, 64), z(2, 16, 64), z(2, 8, 64), i(32)),
+            "grouped_swiglu: w3 has shape [2, 8, 64], expected [2, 16, 64]",
+        ),
+        "masked_groups": (
+            grouped_gemm_masked,
+            (z(2, 16, 64), z(3, 16, 64), i(2)),
+            "grouped_gemm_masked: b has shape [3, 16, 64], expected [2, *, 64]",
+        ),
+        "masked_m": (
+            grouped_gemm_masked,
+            (z(2, 16, 64), z(2, 16, 64), i(3)),
+            "masked_m has shape [3], expected [2]",
+        ),
+    }[case]
+
+
+@pytest.mark.parametrize("impl", ["ref", pytest.param("interpret", marks=needs_triton_interp)])
+@pytest.mark.parametrize("case", ["b_width", "m_indices", "rows", "w3", "masked_groups", "masked_m"])
+def test_grouped_ops_name_a_bad_argument(case, impl):
+    """A wrong operand shape fails at the op's entry with a ValueError naming it, for every impl."""
+    op, args, match = _bad_grouped(case)
+    with pytest.raises(ValueError, match=re.escape(match)):
+        op(*args, impl=impl)
