@@ -665,9 +665,10 @@ def moe_fp4_cases(record, small: bool):
     """Routed experts with FP4 weights (V4.1-Flash: d 5120, f 2304, e 384, top-6; e2m1 codes with per-32
     UE8M0 scales) at decode and prefill token counts: made dense on use then the bf16 grouped GEMMs (the path
     before the kernels read FP4; the speed-up column is over it), read as stored by the same kernels (FP4
-    tiles decoded in registers, per tiling; "auto" the default), and for scale the bf16 kernels on bf16
-    weights. Bytes: the touched experts' FP4 codes and scales. Checked against the jnp reference (the stack
+    tiles decoded in registers by `fp4_decode`'s PTX, per tiling; "auto" the default; and the default tiling
+    decoding code by code), and for scale the bf16 kernels on bf16 weights. Bytes: the touched experts' FP4 codes and scales. Checked against the jnp reference (the stack
     made dense) on the first tokens."""
+    from djax.kernels.grouped_gemm_triton import Fp4Config
     from djax.kernels.moe_experts import PREFILL_CFG, default_config
     from djax.quant import dense
 
@@ -735,6 +736,18 @@ def moe_fp4_cases(record, small: bool):
                 tr,
                 check,
             )
+        bits = Fp4Config(**vars(default), fp4_decode="bits")
+        record(
+            "moe_fp4",
+            shape,
+            f"fp4 read as stored {tiles(default)} bk{default.block_k}, decoded code by code (not the PTX)",
+            lambda *a, bits=bits: moe_experts(*a, LIMIT, impl="triton", cfg=bits),
+            sets,
+            flops,
+            nbytes,
+            tr,
+            check,
+        )
         record("moe_fp4", shape, "auto", lambda *a: moe_experts(*a, LIMIT), sets, flops, nbytes, tr, check)
 
 

@@ -100,7 +100,8 @@ def _run(impl, a, b, b3, groups, rows, masked, limit, cfg):
 
     mg = a.shape[1] if masked else 0
     m = nb * mg if masked else groups.shape[0]
-    cx = tk.constexprs(m, n, k, mg, masked, rows is not None, cfg, bool(scales))  # checked at trace time
+    asm = tk.fp4_asm(cfg, impl != "interpret", jnp.dtype(a.dtype).name)
+    cx = tk.constexprs(m, n, k, mg, masked, rows is not None, cfg, bool(scales), asm)  # checked at trace time
     if impl == "interpret":
         return _interpret(a, weights, scales, groups, rows, masked, limit, cfg, out_shape)
     from djax.ffi import cubin

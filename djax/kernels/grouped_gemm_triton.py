@@ -18,6 +18,11 @@ from dataclasses import dataclass
 import triton
 import triton.language as tl
 
+from djax.kernels import fp4_decode
+
+FP4_PTX = tl.constexpr(fp4_decode.ptx())
+FP4_CONSTRAINTS = tl.constexpr(fp4_decode.CONSTRAINTS)
+
 
 @dataclass(frozen=True)
 class GemmConfig:
@@ -28,6 +33,23 @@ class GemmConfig:
     block_k: int = 64
     num_warps: int = 8
     num_stages: int = 4
+
+
+@dataclass(frozen=True)
+class Fp4Config(GemmConfig):
+    """GemmConfig plus how FP4 weights are decoded on CUDA: "asm" (`fp4_decode`'s PTX, what a plain
+    GemmConfig gets) or "bits" (code by code, as Triton's interpreter runs it: the first's slow twin)."""
+
+    fp4_decode: str = "asm"
+
+
+def fp4_asm(cfg: GemmConfig, on_gpu: bool, dtype_name: str) -> bool:
+    """Whether FP4 weights go through the PTX decode: asked for (the default), on a GPU (the interpreter cannot
+    run PTX) and for bf16 activations (the PTX writes bf16)."""
+    decode = getattr(cfg, "fp4_decode", "asm")
+    if decode not in ("asm", "bits"):
+        raise ValueError(f"fp4_decode must be 'asm' or 'bits', got {decode!r}")
+    return decode == "asm" and on_gpu and dtype_name == "bfloat16"
 
 
 @triton.jit
@@ -78,11 +100,24 @@ def _ue8m0_to_f32(s):
 
 
 @triton.jit
-def _fp4_tile(p_ptrs, s_ptrs, n_ok, k0, K, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, dtype):
+def _ue8m0_to_bf16(s):
+    """UE8M0 exponent bytes (int32) -> 2^(s - 127) as bf16 (same exponent field; 0 the subnormal 2^-127, 255
+    nan)."""
+    bits = tl.where(s == 0, 0x40, s << 7)
+    bits = tl.where(s == 255, 0x7FC0, bits)
+    return bits.to(tl.int16).to(tl.bfloat16, bitcast=True)
+
+
+@triton.jit
+def _fp4_tile(
+    p_ptrs, s_ptrs, n_ok, k0, K, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, dtype, ASM: tl.constexpr
+):
     """The [BLOCK_N, BLOCK_K] weight tile at inputs k0.. in `dtype`, from its packed codes [BLOCK_N,
-    BLOCK_K / 2] and scale bytes [BLOCK_N, BLOCK_K / 32] (inputs past K read as code 0, scale 2^0)."""
+    BLOCK_K / 2] and scale bytes [BLOCK_N, BLOCK_K / 32] (inputs past K read as code 0, scale 2^0).
+
+    ASM (bf16 only, CUDA): `fp4_decode`'s PTX, four packed bytes a call; otherwise code by code from the bits
+    in float32 (what Triton's CPU interpreter runs)."""
     if K % BLOCK_K == 0:
-        # no mask along k: the codes load in 16-byte pieces (a mask from k0 // 2 cuts them to 8)
         p = tl.load(p_ptrs, mask=n_ok[:, None], other=0)
         s = tl.load(s_ptrs, mask=n_ok[:, None], other=127)
     else:
@@ -90,8 +125,19 @@ def _fp4_tile(p_ptrs, s_ptrs, n_ok, k0, K, BLOCK_N: tl.constexpr, BLOCK_K: tl.co
         ks_ok = k0 // 32 + tl.arange(0, BLOCK_K // 32) < K // 32
         p = tl.load(p_ptrs, mask=n_ok[:, None] & kp_ok[None, :], other=0)
         s = tl.load(s_ptrs, mask=n_ok[:, None] & ks_ok[None, :], other=127)
-    p = p.to(tl.int32)
     s = s.to(tl.int32)
+    if ASM:
+        sb = tl.broadcast_to(_ue8m0_to_bf16(s)[:, :, None], [BLOCK_N, BLOCK_K // 32, 16])
+        lo, hi = tl.inline_asm_elementwise(
+            FP4_PTX,
+            FP4_CONSTRAINTS,
+            [p, tl.reshape(sb, [BLOCK_N, BLOCK_K // 2])],
+            dtype=(tl.bfloat16, tl.bfloat16),
+            is_pure=True,
+            pack=4,
+        )
+        return tl.reshape(tl.join(lo, hi), [BLOCK_N, BLOCK_K])  # low nibble first
+    p = p.to(tl.int32)
     codes = tl.reshape(tl.join(p & 0xF, (p >> 4) & 0xF), [BLOCK_N, BLOCK_K])  # low nibble first
     w = tl.reshape(_e2m1_to_f32(codes), [BLOCK_N, BLOCK_K // 32, 32]) * _ue8m0_to_f32(s)[:, :, None]
     return tl.reshape(w, [BLOCK_N, BLOCK_K]).to(dtype)
@@ -121,6 +167,7 @@ def _mainloop(
     BLOCK_N: tl.constexpr,
     BLOCK_K: tl.constexpr,
     FP4: tl.constexpr,
+    FP4_ASM: tl.constexpr,
 ):
     """acc[BLOCK_M, BLOCK_N] = a[src, :] @ b[g, rn, :]^T in float32 (dead rows read as 0)."""
     rk = tl.arange(0, BLOCK_K)
@@ -135,7 +182,7 @@ def _mainloop(
         k_ok = k0 + rk < K
         a = tl.load(a_ptrs, mask=live[:, None] & k_ok[None, :], other=0.0)
         if FP4:
-            b = _fp4_tile(p_ptrs, s_ptrs, n_ok, k0, K, BLOCK_N, BLOCK_K, a_ptr.dtype.element_ty)
+            b = _fp4_tile(p_ptrs, s_ptrs, n_ok, k0, K, BLOCK_N, BLOCK_K, a_ptr.dtype.element_ty, FP4_ASM)
             p_ptrs += BLOCK_K // 2
             s_ptrs += BLOCK_K // 32
         else:
@@ -161,6 +208,7 @@ def grouped_gemm_kernel(
     MASKED: tl.constexpr,
     HAS_ROWS: tl.constexpr,
     FP4: tl.constexpr,
+    FP4_ASM: tl.constexpr,  # FP4 decoded by fp4_decode's PTX (bf16, CUDA), else code by code
     BLOCK_M: tl.constexpr,
     BLOCK_N: tl.constexpr,
     BLOCK_K: tl.constexpr,
@@ -173,7 +221,7 @@ def grouped_gemm_kernel(
     if g < 0:
         return
     rn = (pid % n_tiles) * BLOCK_N + tl.arange(0, BLOCK_N)
-    acc = _mainloop(a_ptr, b_ptr, bs_ptr, g, src, live, rn, N, K, BLOCK_M, BLOCK_N, BLOCK_K, FP4)
+    acc = _mainloop(a_ptr, b_ptr, bs_ptr, g, src, live, rn, N, K, BLOCK_M, BLOCK_N, BLOCK_K, FP4, FP4_ASM)
     tl.store(
         c_ptr + dst[:, None] * N + rn[None, :],
         acc.to(c_ptr.dtype.element_ty),
@@ -198,6 +246,7 @@ def grouped_swiglu_kernel(
     MASKED: tl.constexpr,
     HAS_ROWS: tl.constexpr,
     FP4: tl.constexpr,
+    FP4_ASM: tl.constexpr,
     LIMIT: tl.constexpr,  # <= 0: no clamp
     BLOCK_M: tl.constexpr,
     BLOCK_N: tl.constexpr,
@@ -228,8 +277,8 @@ def grouped_swiglu_kernel(
         a = tl.load(a_ptrs, mask=live[:, None] & k_ok[None, :], other=0.0)
         if FP4:
             dt = a_ptr.dtype.element_ty
-            w1 = _fp4_tile(p1_ptrs, s1_ptrs, n_ok, k0, K, BLOCK_N, BLOCK_K, dt)
-            w3 = _fp4_tile(p3_ptrs, s3_ptrs, n_ok, k0, K, BLOCK_N, BLOCK_K, dt)
+            w1 = _fp4_tile(p1_ptrs, s1_ptrs, n_ok, k0, K, BLOCK_N, BLOCK_K, dt, FP4_ASM)
+            w3 = _fp4_tile(p3_ptrs, s3_ptrs, n_ok, k0, K, BLOCK_N, BLOCK_K, dt, FP4_ASM)
             p1_ptrs += BLOCK_K // 2
             p3_ptrs += BLOCK_K // 2
             s1_ptrs += BLOCK_K // 32
@@ -254,7 +303,15 @@ def grouped_swiglu_kernel(
 
 
 def constexprs(
-    m: int, n: int, k: int, mg: int, masked: bool, has_rows: bool, cfg: GemmConfig, fp4: bool = False
+    m: int,
+    n: int,
+    k: int,
+    mg: int,
+    masked: bool,
+    has_rows: bool,
+    cfg: GemmConfig,
+    fp4: bool = False,
+    asm: bool = False,
 ) -> dict:
     """Compile-time constants of one shape. m: rows of the output (contiguous) or groups * mg (masked); k the
     logical inputs (FP4: twice the packed bytes a row)."""
@@ -274,6 +331,7 @@ def constexprs(
         MASKED=masked,
         HAS_ROWS=has_rows,
         FP4=fp4,
+        FP4_ASM=fp4 and asm,
         BLOCK_M=cfg.block_m,
         BLOCK_N=cfg.block_n,
         BLOCK_K=cfg.block_k,
@@ -310,7 +368,8 @@ def launch_torch(
     k = 2 * k if fp4 else k
     mg = a.shape[1] if masked else 0
     m = nb * mg if masked else groups.shape[0]
-    cx = constexprs(m, n, k, mg, masked, rows is not None, cfg, fp4)
+    asm = fp4_asm(cfg, a.is_cuda, str(a.dtype).removeprefix("torch."))
+    cx = constexprs(m, n, k, mg, masked, rows is not None, cfg, fp4, asm)
     out_shape = (nb, mg, n) if masked else (m, n)
     c = torch.full(out_shape, float("nan"), dtype=a.dtype, device=a.device)
     g = groups.to(torch.int32)

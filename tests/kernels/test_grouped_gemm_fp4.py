@@ -5,11 +5,13 @@ dense experts, reading the codes as stored (no dense copy of the stack)."""
 
 import jax
 import jax.numpy as jnp
+import ml_dtypes
 import numpy as np
 import pytest
 from checks import assert_close, needs_triton_interp
 
 from djax import fp4
+from djax.kernels import fp4_decode
 from djax.kernels.grouped_gemm import (
     GemmConfig,
     grouped_gemm,
@@ -42,11 +44,52 @@ def _contiguous_groups(sizes, bm):
     return np.array(mi + [-1] * bm, np.int32)
 
 
+def _bf16_bits(x) -> np.ndarray:
+    return np.asarray(x).astype(ml_dtypes.bfloat16).view(np.uint16)
+
+
+def test_ptx_decode_program_is_the_format_bit_for_bit():
+    """The PTX the kernels inline on CUDA, run instruction by instruction in numpy (`fp4_decode.emulate`,
+    the same PROGRAM `ptx()` renders): every byte value in every position of the word under every UE8M0
+    scale gives `fp4.dequantize_fp4`'s bf16 bits, signed zeros and the nan of scale byte 255 included."""
+    rng = np.random.default_rng(8)
+    scales = np.arange(256, dtype=np.uint8)
+    # every byte value at each of the four positions of a word, under every scale
+    words = np.stack([np.roll(np.arange(256), 64 * j) for j in range(4)], -1).astype(np.uint8)  # [256, 4]
+    words = np.concatenate([words, rng.integers(0, 256, (256, 4), dtype=np.uint8)])
+    packed = np.repeat(words[None], 256, 0)  # [scale, word, byte]
+    scale_bits = fp4_decode.ue8m0_bf16_bits(scales)  # the kernels' bf16 of each scale: 2^(s - 127) exactly
+    np.testing.assert_array_equal(
+        scale_bits[:255], _bf16_bits(2.0 ** (scales[:255].astype(np.float64) - 127))
+    )
+    assert scale_bits[255] == 0x7FC0
+    s_pair = scale_bits.astype(np.uint32) * 0x10001  # both halves of a bf16x2
+    w32 = packed.view(np.uint32)[..., 0]  # little-endian: byte 0 lowest
+    s2 = np.broadcast_to(s_pair[:, None], w32.shape)
+    lo01, lo23, hi01, hi23 = fp4_decode.emulate(w32, s2, s2)
+    got = np.zeros((*w32.shape, 8), np.uint16)  # codes 2j (low nibble) and 2j + 1 of byte j
+    for j, (lo, hi) in enumerate([(lo01, hi01), (lo01, hi01), (lo23, hi23), (lo23, hi23)]):
+        half = 16 * (j % 2)
+        got[..., 2 * j] = (lo >> half) & 0xFFFF
+        got[..., 2 * j + 1] = (hi >> half) & 0xFFFF
+    # in numpy float64: XLA on CPU flushes subnormal products (scale bytes 0 and 1) to zero, the GPU does not
+    codes = np.stack([packed & 0xF, packed >> 4], -1).reshape(*packed.shape[:-1], 8)
+    exact = fp4.E2M1_TABLE[codes].astype(np.float64) * 2.0 ** (scales[:, None, None].astype(np.float64) - 127)
+    exact[scales == 255] = np.nan
+    with np.errstate(over="ignore"):  # 6 x 2^127 is inf in bf16, as on the GPU
+        want = exact.astype(ml_dtypes.bfloat16).view(np.uint16)
+    nan = np.isnan(exact)
+    assert nan.any() and (nan == (scales[:, None, None] == 255)).all()
+    np.testing.assert_array_equal(got[~nan], want[~nan])
+    assert ((got[nan] & 0x7F80) == 0x7F80).all() and (got[nan] & 0x7F).all()  # nan where the reference has it
+
+
 @needs_triton_interp
 def test_kernel_decodes_every_code_and_scale_exactly():
     """Identity activations make each output row one input column of the weight, so the kernel's decoded
-    tile is read back directly: every e2m1 code under scales from the subnormal 2^-127 to 2^125,
-    against `fp4.dequantize_fp4`, exactly; a scale byte of 255 (nan in float8_e8m0fnu) gives nan there."""
+    tile is read back directly: every e2m1 code under scales from 2^-127 to 2^125, against
+    `fp4.dequantize_fp4`, exactly (on CPU both flush products below 2^-126 to zero: the subnormal ones are
+    the PTX decode's test's, which runs in numpy float64); a scale byte of 255 (nan in float8_e8m0fnu) gives nan there."""
     rng = np.random.default_rng(0)
     n, k = 20, 96  # n past the 16-wide tiles' edge
     codes = rng.integers(0, 16, (1, n, k)).astype(np.uint8)
@@ -185,11 +228,13 @@ def test_fp4_weights_of_the_wrong_width_are_named(impl):
         grouped_swiglu_masked(a, w1, narrow, cnt, 0.0, impl=impl, cfg=SMALL)
 
 
+@pytest.mark.parametrize("asm", [True, False], ids=["ptx_decode", "bits_decode"])
 @pytest.mark.parametrize("fused", [True, False], ids=["gate_up", "down"])
 @pytest.mark.parametrize("tiles", ["decode", "prefill"])
-def test_fp4_kernels_compile_to_sm90_cubins(fused, tiles):
+def test_fp4_kernels_compile_to_sm90_cubins(fused, tiles, asm):
     """The FP4 kernels at V4.1-Flash's expert shapes (d 5120, f 2304) with `moe_experts`' default tiles
-    compile for sm_90 within its shared memory (no GPU needed): uint8 operands included."""
+    compile for sm_90 within its shared memory (no GPU needed): uint8 operands included, and the inline PTX
+    decode (what a GPU runs by default) accepted by ptxas."""
     pytest.importorskip("triton")
     from djax.ffi.cubin import MAX_SHARED_BYTES, compile_triton
     from djax.kernels import grouped_gemm_triton as tk
@@ -197,7 +242,8 @@ def test_fp4_kernels_compile_to_sm90_cubins(fused, tiles):
 
     cfg = DECODE_CFG if tiles == "decode" else PREFILL_CFG
     n, k = (2304, 5120) if fused else (5120, 2304)
-    cx = tk.constexprs(384 * cfg.block_m, n, k, 0, False, fused, cfg, fp4=True)
+    cx = tk.constexprs(384 * cfg.block_m, n, k, 0, False, fused, cfg, fp4=True, asm=asm)
+    assert cx["FP4_ASM"] == asm
     bf16, u8, i32 = jnp.bfloat16, jnp.uint8, jnp.int32
     if fused:
         names = ["a_ptr", "rows_ptr", "w1_ptr", "w3_ptr", "s1_ptr", "s3_ptr", "grp_ptr", "h_ptr"]

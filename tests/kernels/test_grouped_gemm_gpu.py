@@ -13,6 +13,7 @@ from djax.kernels.fp8_gemm import fp8_gemm, grouped_contiguous, grouped_masked, 
 from djax.kernels.fp8_gemm_ref import quantize_act, quantize_weight
 from djax.kernels.fp8_gemm_triton import Fp8Config
 from djax.kernels.grouped_gemm import GemmConfig, grouped_gemm_masked, grouped_swiglu_masked
+from djax.kernels.grouped_gemm_triton import Fp4Config
 from djax.kernels.moe_experts import (
     DECODE_CFG,
     FP8_DECODE_CFG,
@@ -101,6 +102,8 @@ def _fp4(seed, shape, lo=120, hi=123):
         (1000, PREFILL_CFG),
         (1000, GemmConfig(64, 128, 128, 4, 4)),
         (1000, GemmConfig(128, 128, 64, 8, 3)),
+        (37, Fp4Config(**vars(DECODE_CFG), fp4_decode="bits")),  # code by code, the PTX decode's slow twin
+        (1000, Fp4Config(**vars(PREFILL_CFG), fp4_decode="bits")),
     ],
 )
 def test_moe_experts_fp4_triton_matches_dense(n, cfg):
@@ -115,6 +118,18 @@ def test_moe_experts_fp4_triton_matches_dense(n, cfg):
     assert out.dtype == BF16
     assert float(jnp.abs(ref).mean()) > 0.1  # outputs of O(1): the scales were not chosen to vanish
     assert_close(out.astype(jnp.float32), ref, 2e-2)
+
+
+@pytest.mark.parametrize("n,cfg", [(37, DECODE_CFG), (1000, PREFILL_CFG)])
+def test_fp4_ptx_decode_equals_decoding_code_by_code(n, cfg):
+    """The inline PTX decode and the code-by-code one give the same bf16 weights, so the same kernel over
+    them gives the same bits."""
+    x, w, idx, *_ = _moe(n, n, 512, 256, 32, 6)
+    q1, q3, q2 = _fp4(7, (32, 256, 512)), _fp4(8, (32, 256, 512)), _fp4(9, (32, 512, 256))
+    bits = Fp4Config(**vars(cfg), fp4_decode="bits")
+    run = jax.jit(lambda c, *a: moe_experts(*a, 10.0, impl="triton", cfg=c), static_argnums=0)
+    fast, slow = run(cfg, x, w, idx, q1, q2, q3), run(bits, x, w, idx, q1, q2, q3)
+    np.testing.assert_array_equal(np.asarray(fast, np.float32), np.asarray(slow, np.float32))
 
 
 @pytest.mark.parametrize("cfg", [DECODE_CFG, GemmConfig(16, 64, 128, 4, 4)])
