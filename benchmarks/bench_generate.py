@@ -28,6 +28,8 @@ FP8 model:   python benchmarks/bench_generate.py --fp8 --parts ceilings,decode,d
              (projections and routed experts as an FP8 checkpoint holds them; with kernels they run through
              fp8_gemm and the FP8 grouped GEMM, in part decode_dequant they are made dense on use, as
              without kernels)
+FP4 experts: python benchmarks/bench_generate.py --fp4-experts --parts ceilings,decode,decode_dequant,decode_xla
+             --name h200_fp4 (routed experts as V4.1 stores them; decode_dequant makes them dense on use)
 Debug (CPU): python benchmarks/bench_generate.py --tiny --out /tmp/bench
 """
 
@@ -135,18 +137,41 @@ def decode_without_kernels(cfg: djax.ModelConfig, b: int):
 
 
 def dense_on_use(params):
-    """The FP8 weights that `fp8_gemm` and the FP8 grouped GEMM take (projections, stacked experts), each
-    128 x 128 scale repeated over four 64 x 64 blocks: the same weights, which the model then makes dense on
-    use (the FP8 kernels take 128 x 128 blocks only)."""
+    """The quantized weights the kernels read as stored, in a form they do not read, which the model then
+    makes dense on use: the same weights. FP8 (projections, stacked experts that `fp8_gemm` and the FP8
+    grouped GEMM take): each 128 x 128 scale repeated over four 64 x 64 blocks (the FP8 kernels take 128 x 128
+    blocks only). FP4 experts: their UE8M0 scales as float32 (the grouped GEMMs read UE8M0 bytes only)."""
     from djax.models.layers import takes_fp8_gemm, takes_fp8_grouped
-    from djax.quant import QArray
+    from djax.quant import QArray, is_ue8m0_fp4
 
     def one(w):
+        if is_ue8m0_fp4(w):
+            return QArray(w.values, w.scale.astype(jnp.float32), w.block)
         if not (takes_fp8_gemm(w) or takes_fp8_grouped(w)):
             return w
         return QArray(w.values, jnp.repeat(jnp.repeat(w.scale, 2, -2), 2, -1), (64, 64))
 
     return jax.tree.map(one, params, is_leaf=lambda x: isinstance(x, QArray))
+
+
+def fp4_experts(params, key):
+    """The routed experts as FP4 with UE8M0 scales (V4.1's format; the grouped GEMMs read it as stored):
+    random e2m1 codes and one scale for the whole stack, the power of two that gives the bf16 weights' RMS
+    (the e2m1 codes' RMS is about 2.93)."""
+    from djax import fp4
+    from djax.params import flatten_names, unflatten_names
+    from djax.quant import E8M0, from_fp4
+
+    flat = flatten_names(params)
+    for i, name in enumerate(n for n in flat if fp4._ROUTED_EXPERTS.search(n)):
+        w = flat[name]
+        rms = jnp.sqrt(jnp.mean(jnp.square(w.astype(jnp.float32))))
+        byte = jnp.clip(jnp.round(jnp.log2(rms / 2.93)) + 127, 1, 254).astype(jnp.uint8)
+        *lead, o, n_in = w.shape
+        packed = jax.random.bits(jax.random.fold_in(key, i), (*lead, o, n_in // 2), jnp.uint8)
+        scale = jnp.full((*lead, o, n_in // fp4.GROUP), byte, jnp.uint8)
+        flat[name] = from_fp4(packed, jax.lax.bitcast_convert_type(scale, E8M0))
+    return unflatten_names(flat, params)
 
 
 # ---- ahead-of-time compilation of djax's programs ----------------------------------------------------------
@@ -739,6 +764,7 @@ def table(result: dict) -> str:
     def fmt(x, spec):
         return "-" if x is None else format(x, spec)
 
+    q = result.get("quantized") or "FP8"  # which weights part decode_dequant makes dense on use
     lines = [
         f"device {result['device']} | {result['date']} | jax {result['versions']['jax']} | "
         f"torch {result['versions'].get('torch')} | transformers {result['versions'].get('transformers')}",
@@ -775,7 +801,7 @@ def table(result: dict) -> str:
     # the decode step without what a part takes away, and the speed-up of having it
     for part, label, what in (
         ("decode_xla", "no kernels b={} ms", "djax.kernels"),
-        ("decode_dequant", "fp8 dense on use b={}", "FP8 kernels'"),
+        ("decode_dequant", f"{q.lower()} dense on use b={{}}", f"{q} kernels'"),
     ):
         for b, r in dj.get(part, {}).items():
             k = dj.get("decode", {}).get(b)
@@ -814,8 +840,8 @@ def main() -> int:
         default="check,ceilings,hf,prefill,decode,generate",
         help="comma list of: check (logits vs HF), hfvariants (HF with eager experts too), ceilings, hf "
         "(HF timings), prefill, decode, decode_xla (decode without djax.kernels: the speed-up they bring), "
-        "generate; with --fp8 also decode_dequant (kernels on, the FP8 weights made dense on use: what "
-        "the FP8 kernels bring)",
+        "generate; with --fp8 or --fp4-experts also decode_dequant (kernels on, the quantized weights made "
+        "dense on use: what the kernels reading them as stored bring)",
     )
     ap.add_argument(
         "--fp8",
@@ -825,13 +851,21 @@ def main() -> int:
         "grouped GEMM. HF parts are skipped",
     )
     ap.add_argument(
+        "--fp4-experts",
+        action="store_true",
+        help="the routed experts as FP4 with UE8M0 scales (V4.1's format, random codes); decode with kernels "
+        "reads them as stored through the grouped GEMMs, part decode_dequant makes them dense on use (what "
+        "ran before the kernels read FP4). HF parts are skipped",
+    )
+    ap.add_argument(
         "--decode-batches",
         default=None,
         help="comma list of batch sizes for the decode parts (default: the workload's, 1,32,128 full size)",
     )
     args = ap.parse_args()
     parts = set(args.parts.split(","))
-    if args.fp8:
+    quantized = "FP8" if args.fp8 else "FP4" if args.fp4_experts else None
+    if quantized:
         parts -= {"check", "hf", "hfvariants"}  # HF would hold these weights in bf16: not the same model
     w = dict(TINY if args.tiny else FULL)
     if args.decode_batches:
@@ -851,6 +885,8 @@ def main() -> int:
     aparams = djax.abstract_params(cfg)
     if args.fp8:
         aparams = jax.eval_shape(lambda p: djax.quantize_projections(p, cfg), aparams)
+    if args.fp4_experts:
+        aparams = jax.eval_shape(lambda p: fp4_experts(p, jax.random.key(1)), aparams)
     if "check" in parts:
         comp.submit("forward", djax.forward, aparams, sds((1, w["check_len"])), cfg)
     for b in w["decode_batches"] if "decode" in parts else []:
@@ -859,7 +895,7 @@ def main() -> int:
     for b in w["decode_batches"] if "decode_xla" in parts else []:
         st = jax.eval_shape(lambda b=b: djax.init_state(cfg, b, w["max_len"]))
         comp.submit(f"decode_xla_{b}", decode_without_kernels(cfg, b), aparams, sds((b,)), st)
-    if not args.fp8:
+    if not quantized:
         parts.discard("decode_dequant")
     for b in w["decode_batches"] if "decode_dequant" in parts else []:
         st = jax.eval_shape(lambda b=b: djax.init_state(cfg, b, w["max_len"]))
@@ -895,6 +931,8 @@ def main() -> int:
     )
     if args.fp8:
         params = djax.quantize_projections(params, cfg)
+    if args.fp4_experts:
+        params = fp4_experts(params, jax.random.key(1))
     jax.block_until_ready(params)
     init_s = time.perf_counter() - t
     log(f"params: {nbytes(params) / 1e9:.2f} GB in {init_s:.1f} s")
@@ -914,11 +952,13 @@ def main() -> int:
         "model": {
             "summary": f"V4-Flash shapes, {cfg.num_hidden_layers} layers ratios {cfg.compress_ratios}, "
             f"{cfg.num_hash_layers} hash layer, bf16 random weights"
-            + (", projections and routed experts FP8 (128x128 scales)" if args.fp8 else ""),
+            + (", projections and routed experts FP8 (128x128 scales)" if args.fp8 else "")
+            + (", routed experts FP4 (e2m1, per-32 UE8M0 scales)" if args.fp4_experts else ""),
             "config": {k: (list(v) if isinstance(v, tuple) else v) for k, v in cfg.__dict__.items()},
             "param_bytes": nbytes(params),
             "init_seconds": round(init_s, 1),
         },
+        "quantized": quantized,
         "workloads": {k: v for k, v in w.items()},
         "check": {},
         "notes": [],
@@ -1088,7 +1128,10 @@ def derive(result: dict, cfg, params) -> None:
         for b, r in dj.get("decode_xla", {}).items()
         if b in dj.get("decode", {})
     }
-    result["decode_fp8_gemm_speedup"] = {
+    speedup_key = (
+        "decode_fp4_experts_speedup" if result.get("quantized") == "FP4" else "decode_fp8_gemm_speedup"
+    )
+    result[speedup_key] = {
         b: r["median_step_s"] / dj["decode"][b]["median_step_s"]
         for b, r in dj.get("decode_dequant", {}).items()
         if b in dj.get("decode", {})

@@ -43,6 +43,18 @@ def _routing(key, n, e, k):
     return w.astype(jnp.float32), idx.astype(jnp.int32)
 
 
+def routed_sets(n, d, e, k, seeds, weights, count: int = 4):
+    """`count` timing sets (x, routing weights, picks, *weights) of n tokens with skewed routing (seeds: the
+    routing's and x's first keys), and how many experts the first set touches."""
+    sets = []
+    for s in range(count):
+        w, idx = _routing(jax.random.key(seeds[0] + s), n, e, k)
+        x = jax.random.normal(jax.random.key(seeds[1] + s), (n, d), BF16)
+        sets.append((x, w, idx, *weights))
+    touched = int((np.bincount(np.asarray(sets[0][2]).ravel(), minlength=e) > 0).sum())
+    return sets, touched
+
+
 def _weights(key, e, d, f):
     k1, k2, k3 = jax.random.split(key, 3)
     scale = d**-0.5
@@ -65,12 +77,7 @@ def moe_cases(record, small: bool):
         return out[: min(CHECK_TOKENS, out.shape[0])]
 
     for n in (1024, 4096) if not small else (40,):
-        sets = []
-        for s in range(4):
-            w, idx = _routing(jax.random.key(10 + s), n, e, k)
-            x = jax.random.normal(jax.random.key(20 + s), (n, d), BF16)
-            sets.append((x, w, idx, w1, w2, w3))
-        touched = int((np.bincount(np.asarray(sets[0][2]).ravel(), minlength=e) > 0).sum())
+        sets, touched = routed_sets(n, d, e, k, (10, 20), (w1, w2, w3))
         flops, nbytes = 2 * n * k * d * f * 3, touched * wbytes // e + 4 * n * d
         shape = f"n{n} d{d} f{f} e{e} k{k}"
         check = (dense_first, first)
@@ -99,22 +106,8 @@ def moe_cases(record, small: bool):
                 tr,
                 check,
             )
-        for cfg in PREFILL_CFGS + ([DECODE_CFG] if small else []):
-            tag = f"bm{cfg.block_m} bn{cfg.block_n} bk{cfg.block_k} w{cfg.num_warps} st{cfg.num_stages}"
-            record(
-                "moe_experts",
-                shape,
-                f"triton {tag}",
-                lambda *a, cfg=cfg: moe_experts(*a, LIMIT, impl="triton", cfg=cfg),
-                sets,
-                flops,
-                nbytes,
-                tr,
-                check,
-            )
-        record(
-            "moe_experts", shape, "auto", lambda *a: moe_experts(*a, LIMIT), sets, flops, nbytes, tr, check
-        )
+        variants = [(f"triton {tiles(c)}", c) for c in PREFILL_CFGS + ([DECODE_CFG] if small else [])]
+        experts_rows(record, "moe_experts", shape, variants, sets, flops, nbytes, tr, check)
 
     # decode, batch 64: contiguous moe_experts vs the model's decode paths, then the masked layout alone
     n = 64 if not small else 8
@@ -542,6 +535,18 @@ def layout_rows(record, shape, idx_sets, e, bm):
     )
 
 
+def first_tokens_check(experts, tokens: int = 4):
+    """`record`'s check for a routed-experts op: its jnp reference (impl "ref"; one row per pick, as the
+    reference ignores tiles) on the first tokens, against the same rows of the fast output. Rows are
+    independent, so a few check the layout, the kernels and the combine."""
+    exact = GemmConfig(block_m=1)
+
+    def ref_first(x, w, i, *ws):
+        return experts(x[:tokens], w[:tokens], i[:tokens], *ws, LIMIT, impl="ref", cfg=exact)
+
+    return ref_first, lambda out: out[:tokens]
+
+
 def moe_fp8_cases(record, small: bool):
     """Routed experts with FP8 weights (e4m3, 128x128 scales: an FP8 checkpoint's experts) at V4-Flash shapes,
     decode and prefill token counts: made dense on use then the bf16 grouped GEMMs (what the model ran before
@@ -557,15 +562,7 @@ def moe_fp8_cases(record, small: bool):
     w1, w2, w3 = _weights(jax.random.key(0), e, d, f)
     q1, q2, q3 = (quantize(w) for w in (w1, w2, w3))
     per_expert = {"fp8": sum(q.nbytes for q in (q1, q2, q3)) // e, "bf16": 3 * f * d * 2}
-    check_tokens = 4
-    exact = GemmConfig(block_m=1)  # the reference ignores tiles; one row per pick keeps it small
-
-    def ref_first(x, w, i, *ws):
-        c = check_tokens
-        return moe_experts_fp8(x[:c], w[:c], i[:c], *ws, LIMIT, impl="ref", cfg=exact)
-
-    def first(out):
-        return out[:check_tokens]
+    check = first_tokens_check(moe_experts_fp8)
 
     def bf16_kernels(*a):  # FP8 weights are made dense on use
         return moe_experts(*a, LIMIT, impl="triton")
@@ -583,16 +580,10 @@ def moe_fp8_cases(record, small: bool):
     ]
     forced = [Fp8Config(**vars(FP8_DECODE_CFG), split_k=s) for s in (1, 2, 4)]
     for n in (1, 32, 128, 4096) if not small else (3, 40):
-        sets, bf16_sets = [], []
-        for s in range(4):
-            w, idx = _routing(jax.random.key(90 + s), n, e, k)
-            x = jax.random.normal(jax.random.key(95 + s), (n, d), BF16)
-            sets.append((x, w, idx, q1, q2, q3))
-            bf16_sets.append((x, w, idx, w1, w2, w3))
-        touched = int((np.bincount(np.asarray(sets[0][2]).ravel(), minlength=e) > 0).sum())
+        sets, touched = routed_sets(n, d, e, k, (90, 95), (q1, q2, q3))
+        bf16_sets = [(x, w, idx, w1, w2, w3) for x, w, idx, *_ in sets]
         flops = 2 * n * k * d * f * 3
         shape = f"n{n} d{d} f{f} e{e} k{k}"
-        check = (ref_first, first)
         tr = None
         for name, wdt in variants:
             t = record(
@@ -677,15 +668,7 @@ def moe_fp4_cases(record, small: bool):
     q1, q3 = fp4_stack(keys[0], e, f, d), fp4_stack(keys[1], e, f, d)
     q2 = fp4_stack(keys[2], e, d, f)
     per_expert = {"fp4": sum(q.nbytes for q in (q1, q2, q3)) // e, "bf16": 3 * f * d * 2}
-    check_tokens = 4
-    exact = GemmConfig(block_m=1)  # the reference ignores tiles; one row per pick keeps it small
-
-    def ref_first(x, w, i, *ws):
-        c = check_tokens
-        return moe_experts(x[:c], w[:c], i[:c], *ws, LIMIT, impl="ref", cfg=exact)
-
-    def first(out):
-        return out[:check_tokens]
+    check = first_tokens_check(moe_experts)
 
     def dense_on_use(x, w, i, *ws):
         return moe_experts(x, w, i, *(dense(q, x.dtype) for q in ws), LIMIT, impl="triton")
@@ -700,16 +683,10 @@ def moe_fp4_cases(record, small: bool):
     ]
     b1, b2, b3 = (dense(q, BF16) for q in (q1, q2, q3))
     for n in (1, 64, 4096) if not small else (3, 40):
-        sets = []
-        for s in range(4):
-            w, idx = _routing(jax.random.key(60 + s), n, e, k)
-            x = jax.random.normal(jax.random.key(65 + s), (n, d), BF16)
-            sets.append((x, w, idx, q1, q2, q3))
-        touched = int((np.bincount(np.asarray(sets[0][2]).ravel(), minlength=e) > 0).sum())
+        sets, touched = routed_sets(n, d, e, k, (60, 65), (q1, q2, q3))
         flops = 2 * n * k * d * f * 3
         nbytes = touched * per_expert["fp4"]
         shape = f"n{n} d{d} f{f} e{e} k{k}"
-        check = (ref_first, first)
         tr = record(
             "moe_fp4", shape, "fp4 dense on use, triton bf16 kernels", dense_on_use, sets, flops, nbytes
         )
@@ -724,35 +701,25 @@ def moe_fp4_cases(record, small: bool):
             tr,
         )
         default = default_config(n * k, e)
-        for cfg in tilings:
-            record(
-                "moe_fp4",
-                shape,
-                f"fp4 read as stored {tiles(cfg)} bk{cfg.block_k}" + (" (default)" if cfg == default else ""),
-                lambda *a, cfg=cfg: moe_experts(*a, LIMIT, impl="triton", cfg=cfg),
-                sets,
-                flops,
-                nbytes,
-                tr,
-                check,
-            )
+        label = lambda c: f"fp4 read as stored {tiles(c)}"  # noqa: E731
+        variants = [(label(c) + (" (default)" if c == default else ""), c) for c in tilings]
         bits = Fp4Config(**vars(default), fp4_decode="bits")
-        record(
-            "moe_fp4",
-            shape,
-            f"fp4 read as stored {tiles(default)} bk{default.block_k}, decoded code by code (not the PTX)",
-            lambda *a, bits=bits: moe_experts(*a, LIMIT, impl="triton", cfg=bits),
-            sets,
-            flops,
-            nbytes,
-            tr,
-            check,
-        )
-        record("moe_fp4", shape, "auto", lambda *a: moe_experts(*a, LIMIT), sets, flops, nbytes, tr, check)
+        variants.append((label(default) + ", decoded code by code (not the PTX)", bits))
+        experts_rows(record, "moe_fp4", shape, variants, sets, flops, nbytes, tr, check)
 
 
 def tiles(cfg) -> str:
-    return f"bm{cfg.block_m} bn{cfg.block_n} w{cfg.num_warps} st{cfg.num_stages}"
+    """A config's tiles as the rows name them (the K step where it is not the FP8 kernels' fixed 128)."""
+    bk = "" if cfg.block_k == 128 else f" bk{cfg.block_k}"
+    return f"bm{cfg.block_m} bn{cfg.block_n}{bk} w{cfg.num_warps} st{cfg.num_stages}"
+
+
+def experts_rows(record, kernel, shape, variants, sets, flops, nbytes, ref_time, check):
+    """`moe_experts` with the Triton kernels timed at each (variant name, config), then as "auto" gets it."""
+    for variant, cfg in variants:
+        fn = lambda *a, cfg=cfg: moe_experts(*a, LIMIT, impl="triton", cfg=cfg)  # noqa: E731
+        record(kernel, shape, variant, fn, sets, flops, nbytes, ref_time, check)
+    record(kernel, shape, "auto", lambda *a: moe_experts(*a, LIMIT), sets, flops, nbytes, ref_time, check)
 
 
 def fused_variants(default):

@@ -59,3 +59,15 @@ def sparse_decode_inputs(seed, b, h, k, w, c, t):
     top[-1] = -1
     sinks = rng.standard_normal(h).astype(np.float32)
     return q, win, jnp.asarray(valid), pool, jnp.asarray(top), jnp.asarray(sinks)
+
+
+def random_fp4(rng, shape, scales=(118, 126)):
+    """A random FP4 QArray of logical shape [..., o, i] (V4.1's routed-expert format): every e2m1 code, UE8M0
+    scale bytes in [lo, hi)."""
+    from djax import fp4
+    from djax.quant import from_fp4
+
+    *lead, o, i = shape
+    packed = rng.integers(0, 256, (*lead, o, i // 2), dtype=np.uint8)
+    scale = rng.integers(*scales, (*lead, o, i // fp4.GROUP), dtype=np.uint8)
+    return from_fp4(jnp.asarray(packed), jnp.asarray(scale))

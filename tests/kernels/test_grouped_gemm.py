@@ -7,7 +7,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
-from checks import assert_close, needs_triton_interp
+from checks import assert_close, needs_triton_interp, random_fp4
 
 from djax.kernels import grouped_gemm_ref as ref
 from djax.kernels.grouped_gemm import (
@@ -85,17 +85,24 @@ def test_contiguous_triton_interpreted(with_rows):
 
 
 @needs_triton_interp
-def test_masked_triton_interpreted_skips_dead_tiles():
+@pytest.mark.parametrize("weights", ["plain", "fp4"])
+def test_masked_triton_interpreted_skips_dead_tiles(weights):
+    """Plain weights with k 48 (a K edge inside the 16-wide steps), and FP4 ones (codes and UE8M0 scales read
+    as stored) with k 96 over 32-wide steps."""
     rng = np.random.default_rng(2)
-    g, mm, n, k = 4, 32, 32, 48
+    g, mm, n, k = 4, 32, 32, 48 if weights == "plain" else 96
+    cfg = SMALL if weights == "plain" else GemmConfig(16, 16, 32, 4, 1)
     a = jnp.asarray(rng.standard_normal((g, mm, k)), jnp.float32)
-    b, b3 = (jnp.asarray(v) for v in rng.standard_normal((2, g, n, k)).astype(np.float32))
+    if weights == "plain":
+        b, b3 = (jnp.asarray(v) for v in rng.standard_normal((2, g, n, k)).astype(np.float32))
+    else:
+        b, b3 = random_fp4(rng, (g, n, k)), random_fp4(rng, (g, n, k))
     cnt = jnp.asarray([0, 32, 17, 1], jnp.int32)
     live = np.arange(mm)[None] < np.asarray(cnt)[:, None]
-    out = np.asarray(grouped_gemm_masked(a, b, cnt, impl="interpret", cfg=SMALL))
+    out = np.asarray(grouped_gemm_masked(a, b, cnt, impl="interpret", cfg=cfg))
     assert_close(out[live], np.asarray(grouped_gemm_masked(a, b, cnt, impl="ref"))[live], 1e-5)
     assert np.isnan(out[0]).all() and np.isnan(out[2, 32 - 1]).all()  # tiles past the count: never written
-    h = np.asarray(grouped_swiglu_masked(a, b, b3, cnt, 0.0, impl="interpret", cfg=SMALL))
+    h = np.asarray(grouped_swiglu_masked(a, b, b3, cnt, 0.0, impl="interpret", cfg=cfg))
     assert_close(h[live], np.asarray(grouped_swiglu_masked(a, b, b3, cnt, 0.0, impl="ref"))[live], 1e-5)
 
 

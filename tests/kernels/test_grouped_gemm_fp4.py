@@ -1,6 +1,6 @@
 """Grouped GEMMs with FP4 weights (e2m1 codes, one UE8M0 scale per 32 inputs; V4.1's routed experts): the
 Triton kernels' in-register decode (interpreted, f32) against `fp4.dequantize_fp4` exactly, the contiguous
-and masked GEMMs and SwiGLU against their references, and `moe_experts` on FP4 QArrays against the model's
+GEMMs and SwiGLU against their references (the masked ones: `test_grouped_gemm.py`), and `moe_experts` on FP4 QArrays against the model's
 dense experts, reading the codes as stored (no dense copy of the stack)."""
 
 import jax
@@ -8,7 +8,7 @@ import jax.numpy as jnp
 import ml_dtypes
 import numpy as np
 import pytest
-from checks import assert_close, needs_triton_interp
+from checks import assert_close, needs_triton_interp, random_fp4
 
 from djax import fp4
 from djax.kernels import fp4_decode
@@ -26,14 +26,6 @@ from djax.quant import QArray, dense, from_fp4, is_ue8m0_fp4
 # 32-wide K steps: the smallest the 32-input scale groups allow
 SMALL = GemmConfig(block_m=16, block_n=16, block_k=32, num_warps=4, num_stages=1)
 WIDE_K = GemmConfig(block_m=16, block_n=32, block_k=64, num_warps=4, num_stages=1)
-
-
-def _fp4_weight(rng, shape, scales=(118, 126)) -> QArray:
-    """A random FP4 QArray of logical shape [..., o, i]: every code, UE8M0 scales in [lo, hi)."""
-    *lead, o, i = shape
-    packed = rng.integers(0, 256, (*lead, o, i // 2), dtype=np.uint8)
-    scale = rng.integers(*scales, (*lead, o, i // fp4.GROUP), dtype=np.uint8)
-    return from_fp4(jnp.asarray(packed), jnp.asarray(scale))
 
 
 def _contiguous_groups(sizes, bm):
@@ -122,7 +114,7 @@ def test_contiguous_fp4_matches_reference(cfg):
     mi = _contiguous_groups([5, 0, 20, 3], cfg.block_m)
     rows = np.where(mi >= 0, rng.integers(0, n_src, mi.size), -1).astype(np.int32)
     a = jnp.asarray(rng.standard_normal((n_src, k)), jnp.float32)
-    w1, w3 = _fp4_weight(rng, (g, n, k)), _fp4_weight(rng, (g, n, k))
+    w1, w3 = random_fp4(rng, (g, n, k)), random_fp4(rng, (g, n, k))
     live = mi >= 0
     mi, rows = jnp.asarray(mi), jnp.asarray(rows)
     out = grouped_gemm(a, w1, mi, rows, impl="interpret", cfg=cfg)
@@ -136,28 +128,13 @@ def test_contiguous_fp4_matches_reference(cfg):
     assert_close(np.asarray(out)[live], np.asarray(dense_out)[live], 1e-6)
 
 
-@needs_triton_interp
-def test_masked_fp4_matches_reference_and_skips_dead_tiles():
-    rng = np.random.default_rng(2)
-    g, mm, n, k = 4, 32, 32, 96
-    a = jnp.asarray(rng.standard_normal((g, mm, k)), jnp.float32)
-    w1, w3 = _fp4_weight(rng, (g, n, k)), _fp4_weight(rng, (g, n, k))
-    cnt = jnp.asarray([0, 32, 17, 1], jnp.int32)
-    live = np.arange(mm)[None] < np.asarray(cnt)[:, None]
-    out = np.asarray(grouped_gemm_masked(a, w1, cnt, impl="interpret", cfg=SMALL))
-    assert_close(out[live], np.asarray(grouped_gemm_masked(a, w1, cnt, impl="ref"))[live], 1e-5)
-    assert np.isnan(out[0]).all() and np.isnan(out[2, -1]).all()  # tiles past the count: never written
-    h = np.asarray(grouped_swiglu_masked(a, w1, w3, cnt, 0.0, impl="interpret", cfg=SMALL))
-    assert_close(h[live], np.asarray(grouped_swiglu_masked(a, w1, w3, cnt, 0.0, impl="ref"))[live], 1e-5)
-
-
 def _moe_fp4_inputs(rng, n, d, f, e, k):
     probs = rng.dirichlet(np.full(e, 0.5))
     idx = np.stack([rng.choice(e, k, replace=False, p=probs) for _ in range(n)]).astype(np.int32)
     weights = jnp.asarray(rng.random((n, k)), jnp.float32)
     x = jnp.asarray(rng.standard_normal((n, d)), jnp.float32)
     # scales near 2^-4: the activations stay O(1) through the two layers
-    fp4_w = lambda shape: _fp4_weight(rng, shape, (121, 125))  # noqa: E731
+    fp4_w = lambda shape: random_fp4(rng, shape, (121, 125))  # noqa: E731
     return x, weights, jnp.asarray(idx), fp4_w((e, f, d)), fp4_w((e, d, f)), fp4_w((e, f, d))
 
 
@@ -188,7 +165,7 @@ def test_fp4_with_float_scales_is_made_dense_and_still_right():
     """The format's QArray also allows float scales; the kernels read only UE8M0 bytes, so such weights take
     the dense route, through the reference here."""
     rng = np.random.default_rng(4)
-    w = _fp4_weight(rng, (2, 16, 64))
+    w = random_fp4(rng, (2, 16, 64))
     wf = QArray(w.values, w.scale.astype(jnp.float32), w.block)
     assert is_ue8m0_fp4(w) and not is_ue8m0_fp4(wf)
     assert not is_ue8m0_fp4(dense(w, jnp.float32))
@@ -202,7 +179,7 @@ def test_fp4_with_float_scales_is_made_dense_and_still_right():
 
 def test_fp4_config_must_step_whole_scale_groups():
     rng = np.random.default_rng(5)
-    w = _fp4_weight(rng, (2, 16, 64))
+    w = random_fp4(rng, (2, 16, 64))
     a = jnp.asarray(rng.standard_normal((2, 16, 64)), jnp.float32)
     bad = GemmConfig(block_m=16, block_n=16, block_k=16, num_warps=4, num_stages=1)
     with pytest.raises(ValueError, match="FP4 weights need BLOCK_K 16 and K 64 multiples of their 32-input"):
@@ -216,12 +193,12 @@ def test_fp4_weights_of_the_wrong_width_are_named(impl):
     rng = np.random.default_rng(6)
     a = jnp.asarray(rng.standard_normal((2, 16, 64)), jnp.float32)
     cnt = jnp.asarray([3, 4], jnp.int32)
-    narrow = _fp4_weight(rng, (2, 16, 32))  # 32 inputs: packed [2, 16, 16]
+    narrow = random_fp4(rng, (2, 16, 32))  # 32 inputs: packed [2, 16, 16]
     with pytest.raises(
         ValueError, match=r"grouped_gemm_masked: b has shape \[2, 16, 32\], expected \[2, \*, 64\]"
     ):
         grouped_gemm_masked(a, narrow, cnt, impl=impl, cfg=SMALL)
-    w1 = _fp4_weight(rng, (2, 16, 64))
+    w1 = random_fp4(rng, (2, 16, 64))
     with pytest.raises(
         ValueError, match=r"grouped_swiglu_masked: w3 has shape \[2, 16, 32\], expected \[2, 16, 64\]"
     ):

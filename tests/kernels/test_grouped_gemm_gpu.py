@@ -7,7 +7,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
-from checks import assert_close, needs_tilelang
+from checks import assert_close, needs_tilelang, random_fp4
 
 from djax.kernels.fp8_gemm import fp8_gemm, grouped_contiguous, grouped_masked, grouped_swiglu_contiguous
 from djax.kernels.fp8_gemm_ref import quantize_act, quantize_weight
@@ -23,7 +23,7 @@ from djax.kernels.moe_experts import (
     moe_experts_fp8,
 )
 from djax.models.moe import experts_dense
-from djax.quant import E8M0, dense, from_fp4, quantize
+from djax.quant import dense, quantize
 
 pytestmark = pytest.mark.gpu
 BF16 = jnp.bfloat16
@@ -84,13 +84,9 @@ def test_moe_experts_triton_matches_dense(n, cfg):
     assert_close(out.astype(jnp.float32), ref, 2e-2)
 
 
-def _fp4(seed, shape, lo=120, hi=123):
-    """Random FP4 experts (every e2m1 code, UE8M0 scales 2^(lo - 127) .. 2^(hi - 128)): V4.1's format."""
-    k1, k2 = jax.random.split(jax.random.key(seed))
-    *lead, o, i = shape
-    packed = jax.random.bits(k1, (*lead, o, i // 2), jnp.uint8)
-    scale = jax.random.randint(k2, (*lead, o, i // 32), lo, hi).astype(jnp.uint8)
-    return from_fp4(packed, jax.lax.bitcast_convert_type(scale, E8M0))
+def _fp4(seed, shape):
+    """Random FP4 experts (every e2m1 code, UE8M0 scales 2^-7 .. 2^-5: outputs of O(1) at these widths)."""
+    return random_fp4(np.random.default_rng(seed), shape, (120, 123))
 
 
 @pytest.mark.parametrize(
@@ -130,23 +126,6 @@ def test_fp4_ptx_decode_equals_decoding_code_by_code(n, cfg):
     run = jax.jit(lambda c, *a: moe_experts(*a, 10.0, impl="triton", cfg=c), static_argnums=0)
     fast, slow = run(cfg, x, w, idx, q1, q2, q3), run(bits, x, w, idx, q1, q2, q3)
     np.testing.assert_array_equal(np.asarray(fast, np.float32), np.asarray(slow, np.float32))
-
-
-@pytest.mark.parametrize("cfg", [DECODE_CFG, GemmConfig(16, 64, 128, 4, 4)])
-def test_masked_fp4_triton_matches_ref(cfg):
-    """The masked layout (decode) with FP4 gate, up and down against the reference on the live rows."""
-    _, _, idx, *_ = _moe(3, 64, 512, 256, 32, 6)
-    g, mm = 32, 64
-    a = jax.random.normal(jax.random.key(9), (g, mm, 512), BF16)
-    q1, q3, q2 = _fp4(4, (g, 256, 512)), _fp4(5, (g, 256, 512)), _fp4(6, (g, 512, 256))
-    cnt = jnp.bincount(idx.ravel(), length=g).astype(jnp.int32)
-    live = np.arange(mm)[None] < np.asarray(cnt)[:, None]
-    h = grouped_swiglu_masked(a, q1, q3, cnt, 10.0, impl="triton", cfg=cfg)
-    hr = grouped_swiglu_masked(a, q1, q3, cnt, 10.0, impl="ref")
-    assert_close(np.asarray(h, np.float32)[live], np.asarray(hr, np.float32)[live], 2e-2)
-    y = grouped_gemm_masked(hr, q2, cnt, impl="triton", cfg=cfg)
-    yr = grouped_gemm_masked(hr, q2, cnt, impl="ref")
-    assert_close(np.asarray(y, np.float32)[live], np.asarray(yr, np.float32)[live], 1e-2)
 
 
 @pytest.mark.parametrize(
@@ -205,10 +184,14 @@ def test_fused_fp8_swiglu_matches_ref(n, bm, bn, gate_dtype, rtol):
     assert_close(got[written], want[written], rtol)
 
 
+@pytest.mark.parametrize("weights", ["bf16", "fp4"])
 @pytest.mark.parametrize("cfg", [DECODE_CFG, GemmConfig(16, 64, 128, 4, 4)])
-def test_masked_triton_matches_ref(cfg):
+def test_masked_triton_matches_ref(cfg, weights):
+    """bf16 weights, and FP4 ones read as stored (gate, up and down)."""
     x, w, idx, w1, w2, w3 = _moe(3, 64, 512, 256, 32, 6)
     g, mm = 32, 64
+    if weights == "fp4":
+        w1, w3, w2 = _fp4(4, (g, 256, 512)), _fp4(5, (g, 256, 512)), _fp4(6, (g, 512, 256))
     a = jax.random.normal(jax.random.key(9), (g, mm, 512), BF16)
     cnt = jnp.bincount(idx.ravel(), length=g).astype(jnp.int32)
     live = np.arange(mm)[None] < np.asarray(cnt)[:, None]
