@@ -6,8 +6,10 @@ Rows the Triton kernels skip (padding rows, rows past a group's count) are left 
 are undefined ("interpret" returns nan there), where the reference returns 0.
 
 Weights are arrays or `QArray`s. FP4 ones with UE8M0 scales (V4.1's routed experts, `quant.is_ue8m0_fp4`) are
-read as stored by the Triton kernels, which decode each tile in registers; the reference, and every impl for
-other quantized weights, makes them dense in a's dtype first (exactly the values the kernels decode).
+read as stored by the Triton kernels, which decode each tile in registers (on CUDA by inline PTX,
+`fp4_decode`; a config `Fp4Config(..., fp4_decode="bits")` decodes code by code instead, its slow twin); the
+reference, and every impl for other quantized weights, makes them dense in a's dtype first (exactly the values
+the kernels decode).
 """
 
 from __future__ import annotations
@@ -20,10 +22,17 @@ from djax import fp4
 from djax.kernels import grouped_gemm_ref as ref
 from djax.kernels import shapes
 from djax.kernels.dispatch import resolve
-from djax.kernels.grouped_gemm_triton import GemmConfig, masked_config
+from djax.kernels.grouped_gemm_triton import Fp4Config, GemmConfig, masked_config
 from djax.quant import dense, is_ue8m0_fp4
 
-__all__ = ["GemmConfig", "grouped_gemm", "grouped_gemm_masked", "grouped_swiglu", "grouped_swiglu_masked"]
+__all__ = [
+    "Fp4Config",
+    "GemmConfig",
+    "grouped_gemm",
+    "grouped_gemm_masked",
+    "grouped_swiglu",
+    "grouped_swiglu_masked",
+]
 
 IMPLS = ("ref", "triton", "interpret")
 # Masked layout without a config: the widest of these tiles whose height divides the rows per group. H200,
