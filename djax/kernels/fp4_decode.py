@@ -11,8 +11,8 @@ mantissa's top bit (bits 8..6) reads as the code's value times 2^-126, the same 
 (0.5, exponent 0) as for the normal ones; one exact multiply by 2^126, then one by the group's UE8M0 scale.
 
 The sequence is written once, as `PROGRAM`: `ptx()` renders it for `tl.inline_asm_elementwise` and `emulate`
-runs the same instructions in numpy, which the CPU tests check bit for bit against `fp4.dequantize_fp4` (the
-interpreter cannot run inline PTX; on a GPU the kernels' tests check the real thing).
+runs the same instructions in numpy, which the CPU tests check bit for bit against the format computed in numpy
+(the interpreter cannot run inline PTX; on a GPU the kernels' tests check the real thing).
 """
 
 from __future__ import annotations
@@ -28,29 +28,21 @@ SIGN = 0x80008000
 TWO_POW_126 = 0x7E807E80  # bf16x2 2^126: bias 127 (bf16) against the code's exponent bias of 1
 
 # (op, destination, sources...): prmt selects bytes of {a, b} (a's 0-3, b's 4-7) by the selector's nibbles,
-# here each byte into the low byte of its half-word (zero above it).
-PROGRAM = [("prmt", "y", "$4", "zero", 0x4140)]  # bytes 0, 1 -> halves 0, 1
-for out, src, scale in (("$0", 0, "$5"), ("$2", 4, "$5")):
-    PROGRAM += [
-        ("shl", "t", "y", 6 - src),  # the code's magnitude bits to 8..6
-        ("and", "t", "t", MAG),
-        ("shl", "u", "y", 12 - src),  # its sign bit to 15
-        ("and", "u", "u", SIGN),
-        ("or", "v", "t", "u"),
-        ("mul.bf16x2", "v", "v", "bias"),
-        ("mul.bf16x2", out, "v", scale),
-    ]
-PROGRAM += [("prmt", "y", "$4", "zero", 0x4342)]  # bytes 2, 3 -> halves 0, 1
-for out, src, scale in (("$1", 0, "$6"), ("$3", 4, "$6")):
-    PROGRAM += [
-        ("shl", "t", "y", 6 - src),
-        ("and", "t", "t", MAG),
-        ("shl", "u", "y", 12 - src),
-        ("and", "u", "u", SIGN),
-        ("or", "v", "t", "u"),
-        ("mul.bf16x2", "v", "v", "bias"),
-        ("mul.bf16x2", out, "v", scale),
-    ]
+# here two bytes into the low bytes of the two half-words (zero above them); then each nibble's code, low
+# (bit 0) then high (bit 4), becomes a bf16x2 word.
+PROGRAM = []
+for selector, outputs, scale in ((0x4140, ("$0", "$2"), "$5"), (0x4342, ("$1", "$3"), "$6")):
+    PROGRAM.append(("prmt", "y", "$4", "zero", selector))
+    for out, nibble in zip(outputs, (0, 4)):
+        PROGRAM += [
+            ("shl", "t", "y", 6 - nibble),  # the code's magnitude bits to 8..6
+            ("and", "t", "t", MAG),
+            ("shl", "u", "y", 12 - nibble),  # its sign bit to 15
+            ("and", "u", "u", SIGN),
+            ("or", "v", "t", "u"),
+            ("mul.bf16x2", "v", "v", "bias"),
+            ("mul.bf16x2", out, "v", scale),
+        ]
 TEMPS = ("zero", "bias", "y", "t", "u", "v")
 INIT = {"zero": 0, "bias": TWO_POW_126}
 

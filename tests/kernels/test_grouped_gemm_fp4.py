@@ -1,7 +1,8 @@
-"""Grouped GEMMs with FP4 weights (e2m1 codes, one UE8M0 scale per 32 inputs; V4.1's routed experts): the
-Triton kernels' in-register decode (interpreted, f32) against `fp4.dequantize_fp4` exactly, the contiguous
-GEMMs and SwiGLU against their references (the masked ones: `test_grouped_gemm.py`), and `moe_experts` on FP4 QArrays against the model's
-dense experts, reading the codes as stored (no dense copy of the stack)."""
+"""Grouped GEMMs with FP4 weights (e2m1 codes, one UE8M0 scale per 32 inputs; V4.1's routed experts): the PTX
+decode run in numpy and the kernels' code-by-code decode (interpreted, f32) against the format exactly, the
+contiguous GEMMs and SwiGLU against their references (the masked ones: `test_grouped_gemm.py`), `moe_experts`
+and the model's CUDA MoE path on FP4 QArrays against the model's dense experts, reading the codes as stored
+(no dense copy of the stack), the refusals, and the kernels compiled for sm_90."""
 
 import jax
 import jax.numpy as jnp
