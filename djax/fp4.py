@@ -59,6 +59,19 @@ def dequantize_fp4(packed, scale, dtype=jnp.bfloat16) -> jnp.ndarray:
     return w.reshape(*w.shape[:-2], -1).astype(dtype)
 
 
+def random_fp4(key, shape: tuple[int, ...], lo: int, hi: int):
+    """Random FP4 weights of logical shape [..., o, i] for tests and benchmarks, made where jax runs: every
+    e2m1 code equally likely, UE8M0 scale bytes drawn from [lo, hi) (2^(lo - 127) .. 2^(hi - 128)). Returns a
+    `QArray` with float8_e8m0fnu scales, as a V4.1 checkpoint loads."""
+    from djax.quant import E8M0, from_fp4  # djax.quant imports this module
+
+    *lead, o, i = shape
+    k_codes, k_scale = jax.random.split(key)
+    packed = jax.random.bits(k_codes, (*lead, o, i // 2), jnp.uint8)
+    scale = jax.random.randint(k_scale, (*lead, o, i // GROUP), lo, hi).astype(jnp.uint8)
+    return from_fp4(packed, jax.lax.bitcast_convert_type(scale, E8M0))
+
+
 def quantize_fp4(w: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
     """Reference encoder for tests: f32[..., out, in] -> (packed uint8[..., in / 2], UE8M0 uint8[..., in / 32]).
 

@@ -47,13 +47,6 @@ TEMPS = ("zero", "bias", "y", "t", "u", "v")
 INIT = {"zero": 0, "bias": TWO_POW_126}
 
 
-def ue8m0_bf16_bits(s: np.ndarray) -> np.ndarray:
-    """UE8M0 scale bytes -> the bf16 bits of 2^(s - 127), as the kernels build them (`_ue8m0_to_bf16`): the
-    byte is the exponent field, 0 the subnormal 2^-127 (mantissa 0x40), 255 a quiet nan."""
-    s = np.asarray(s).astype(np.uint32)
-    return np.where(s == 255, 0x7FC0, np.where(s == 0, 0x40, s << 7)).astype(np.uint16)
-
-
 def _operand(x) -> str:
     return x if isinstance(x, str) else hex(x)
 

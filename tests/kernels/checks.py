@@ -62,12 +62,10 @@ def sparse_decode_inputs(seed, b, h, k, w, c, t):
 
 
 def random_fp4(rng, shape, scales=(118, 126)):
-    """A random FP4 QArray of logical shape [..., o, i] (V4.1's routed-expert format): every e2m1 code, UE8M0
-    scale bytes in [lo, hi)."""
-    from djax import fp4
-    from djax.quant import from_fp4
+    """`fp4.random_fp4` of logical shape [..., o, i] keyed from the numpy generator `rng` (so a test's draws
+    stay one sequence), UE8M0 scale bytes in [lo, hi)."""
+    import jax
 
-    *lead, o, i = shape
-    packed = rng.integers(0, 256, (*lead, o, i // 2), dtype=np.uint8)
-    scale = rng.integers(*scales, (*lead, o, i // fp4.GROUP), dtype=np.uint8)
-    return from_fp4(jnp.asarray(packed), jnp.asarray(scale))
+    from djax import fp4
+
+    return fp4.random_fp4(jax.random.key(int(rng.integers(2**31))), shape, *scales)

@@ -10,14 +10,19 @@ from pathlib import Path
 import jax
 import jax.numpy as jnp
 import numpy as np
+import pytest
 
+import djax
 from djax.params import flatten_names, init_params_host
 from djax.quant import QArray, dense, is_ue8m0_fp4
 
 EXPERTS = re.compile(r"(^|\.)experts\.w[123]$")
 
 
-def test_fp4_experts_replace_the_routed_stacks_and_dense_on_use_keeps_their_values():
+@pytest.mark.parametrize("fp8_first", [False, True], ids=["bf16", "fp8_projections_too"])
+def test_fp4_experts_replace_the_routed_stacks_and_dense_on_use_keeps_their_values(fp8_first):
+    """With --fp8 as well the stacks are FP8 QArrays when they are replaced (V4.1 holds FP8 projections and
+    FP4 experts)."""
     # imported here: the script sets XLA's GPU memory options when imported, which a GPU test run collecting
     # this module should not get
     sys.path.insert(0, str(Path(__file__).resolve().parents[2] / "benchmarks"))
@@ -25,6 +30,8 @@ def test_fp4_experts_replace_the_routed_stacks_and_dense_on_use_keeps_their_valu
 
     cfg = bg.make_config(tiny=True)
     params = init_params_host(cfg, 0)
+    if fp8_first:
+        params = djax.quantize_projections(params, cfg)
     fp4 = bg.fp4_experts(params, jax.random.key(1))
     before, after = flatten_names(params), flatten_names(fp4)
     routed = [n for n in before if EXPERTS.search(n)]
@@ -35,8 +42,8 @@ def test_fp4_experts_replace_the_routed_stacks_and_dense_on_use_keeps_their_valu
             continue
         w, q = before[name], after[name]
         assert is_ue8m0_fp4(q) and q.shape == w.shape
-        rms = lambda x: float(jnp.sqrt(jnp.mean(jnp.square(jnp.asarray(x, jnp.float32)))))  # noqa: E731
-        assert 0.5 < rms(dense(q, jnp.float32)) / rms(w) < 2.0  # the scale is the power of two nearest in log
+        rms = lambda x: float(jnp.sqrt(jnp.mean(jnp.square(dense(x, jnp.float32)))))  # noqa: E731
+        assert 0.5 < rms(q) / rms(w) < 2.0  # the scale is the power of two nearest in log
     made_dense = flatten_names(bg.dense_on_use(fp4))
     for name in routed:
         q, d = after[name], made_dense[name]

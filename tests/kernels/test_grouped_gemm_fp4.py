@@ -51,11 +51,10 @@ def test_ptx_decode_program_is_the_format_bit_for_bit():
     words = np.stack([np.roll(np.arange(256), 64 * j) for j in range(4)], -1).astype(np.uint8)  # [256, 4]
     words = np.concatenate([words, rng.integers(0, 256, (256, 4), dtype=np.uint8)])
     packed = np.repeat(words[None], 256, 0)  # [scale, word, byte]
-    scale_bits = fp4_decode.ue8m0_bf16_bits(scales)  # the kernels' bf16 of each scale: 2^(s - 127) exactly
-    np.testing.assert_array_equal(
-        scale_bits[:255], _bf16_bits(2.0 ** (scales[:255].astype(np.float64) - 127))
-    )
-    assert scale_bits[255] == 0x7FC0
+    # the scales as the kernels hand them to the PTX: bf16 2^(s - 127) (exact for every byte but 255, nan)
+    with np.errstate(over="ignore"):
+        scale_bits = _bf16_bits(2.0 ** (scales.astype(np.float64) - 127))
+    scale_bits[255] = 0x7FC0
     s_pair = scale_bits.astype(np.uint32) * 0x10001  # both halves of a bf16x2
     w32 = packed.view(np.uint32)[..., 0]  # little-endian: byte 0 lowest
     s2 = np.broadcast_to(s_pair[:, None], w32.shape)
