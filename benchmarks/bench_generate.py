@@ -27,7 +27,7 @@ Run (GPU):   python benchmarks/bench_generate.py --out $OUT
 FP8 model:   python benchmarks/bench_generate.py --fp8 --parts ceilings,decode,decode_dequant,decode_xla --name h200_fp8
              (projections and routed experts as an FP8 checkpoint holds them; with kernels they run through
              fp8_gemm and the FP8 grouped GEMM, in part decode_dequant they are made dense on use, as
-             without kernels)
+             without kernels; parts prefill,prefill_dequant do the same for prefill)
 FP4 experts: python benchmarks/bench_generate.py --fp4-experts --parts ceilings,decode,decode_dequant,decode_xla
              --name h200_fp4 (routed experts as V4.1 stores them; decode_dequant makes them dense on use)
 Debug (CPU): python benchmarks/bench_generate.py --tiny --out /tmp/bench
@@ -614,24 +614,25 @@ def run_djax(res: dict, params, cfg, w: dict, comp: Compiler, rng, save, parts) 
     v = cfg.vocab_size
     argmax = jax.jit(lambda lg: jnp.argmax(lg, axis=-1).astype(jnp.int32))
 
-    def prefill(b, t):
-        fn = comp.get(f"prefill_{b}x{t}")
-        fits(comp, f"prefill_{b}x{t}")
+    def prefill(b, t, program="prefill", p=None):
+        p = params if p is None else p
+        fn = comp.get(f"{program}_{b}x{t}")
+        fits(comp, f"{program}_{b}x{t}")
         x = jnp.asarray(rng.integers(2, v, (b, t)), jnp.int32)
         lengths = jnp.full((b,), t, jnp.int32)
-        jax.block_until_ready(fn(params, x, lengths))
+        jax.block_until_ready(fn(p, x, lengths))
         ts = []
         for _ in range(w["prefill_reps"]):
             s = time.perf_counter()
-            jax.block_until_ready(fn(params, x, lengths))
+            jax.block_until_ready(fn(p, x, lengths))
             ts.append(time.perf_counter() - s)
-        res["prefill"][f"{b}x{t}"] = {
+        res.setdefault(program, {})[f"{b}x{t}"] = {
             "seconds": ts,
             "median_s": median(ts),
             "tokens_per_s": b * t / median(ts),
             "max_len": prefill_max_len(w, t),
         }
-        log(f"djax prefill {b}x{t}: {b * t / median(ts):,.0f} tok/s")
+        log(f"djax {program} {b}x{t}: {b * t / median(ts):,.0f} tok/s")
 
     def decode(b, program="decode", key="decode", p=None):
         p = params if p is None else p
@@ -701,9 +702,12 @@ def run_djax(res: dict, params, cfg, w: dict, comp: Compiler, rng, save, parts) 
     for b in w["decode_batches"] if "decode_xla" in parts else []:
         guarded(res, f"decode_xla_{b}", decode, b, "decode_xla", "decode_xla")
         save()
-    dequant = dense_on_use(params) if "decode_dequant" in parts else None
+    dequant = dense_on_use(params) if parts & {"decode_dequant", "prefill_dequant"} else None
     for b in w["decode_batches"] if "decode_dequant" in parts else []:
         guarded(res, f"decode_dequant_{b}", decode, b, "decode_dequant", "decode_dequant", dequant)
+        save()
+    for b, t in w["prefill"] if "prefill_dequant" in parts else []:
+        guarded(res, f"prefill_dequant_{b}x{t}", prefill, b, t, "prefill_dequant", dequant)
         save()
     if "generate" in parts:
         guarded(res, "generate", generate)
@@ -795,6 +799,12 @@ def table(result: dict) -> str:
             f"{'decode b=' + b + ' ms/step':<24}{r['median_step_s'] * 1e3:>12.2f}"
             f"{fmt(h * 1e3 if h else None, '.2f'):>12}   floor {fmt(fl, '.2f')} ms at copy bw"
         )
+    for s, r in dj.get("prefill_dequant", {}).items():  # prefill with the quantized weights made dense on use
+        k = dj.get("prefill", {}).get(s)
+        lines.append(
+            f"{q.lower() + ' dense on use ' + s:<24}{r['tokens_per_s']:>12,.0f}   {q} kernels' speed-up "
+            f"{fmt(r['median_s'] / k['median_s'] if k else None, '.2f')}x"
+        )
     # the decode step without what a part takes away, and the speed-up of having it
     for part, label, what in (
         ("decode_xla", "no kernels b={} ms", "djax.kernels"),
@@ -837,15 +847,15 @@ def main() -> int:
         default="check,ceilings,hf,prefill,decode,generate",
         help="comma list of: check (logits vs HF), hfvariants (HF with eager experts too), ceilings, hf "
         "(HF timings), prefill, decode, decode_xla (decode without djax.kernels: the speed-up they bring), "
-        "generate; with --fp8 or --fp4-experts also decode_dequant (kernels on, the quantized weights made "
-        "dense on use: what the kernels reading them as stored bring)",
+        "generate; with --fp8 or --fp4-experts also decode_dequant and prefill_dequant (the quantized "
+        "weights made dense on use: what the kernels reading them as stored bring)",
     )
     ap.add_argument(
         "--fp8",
         action="store_true",
         help="the projections and routed experts as FP8 with 128x128 scales (djax.quantize_projections), as "
-        "an FP8 checkpoint loads them; decode with kernels then runs them through fp8_gemm and the FP8 "
-        "grouped GEMM. HF parts are skipped",
+        "an FP8 checkpoint loads them; decode and prefill with kernels then run them through fp8_gemm and "
+        "the FP8 grouped GEMM. HF parts are skipped",
     )
     ap.add_argument(
         "--fp4-experts",
@@ -895,7 +905,7 @@ def main() -> int:
         st = jax.eval_shape(lambda b=b: djax.init_state(cfg, b, w["max_len"]))
         comp.submit(f"decode_xla_{b}", decode_without_kernels(cfg, b), aparams, sds((b,)), st)
     if not quantized:
-        parts.discard("decode_dequant")
+        parts -= {"decode_dequant", "prefill_dequant"}
     for b in w["decode_batches"] if "decode_dequant" in parts else []:
         st = jax.eval_shape(lambda b=b: djax.init_state(cfg, b, w["max_len"]))
         comp.submit(
@@ -906,6 +916,17 @@ def main() -> int:
         for b, t in w["prefill"] if "prefill" in parts else []:
             comp.submit(
                 f"prefill_{b}x{t}", djax.prefill, aparams, sds((b, t)), sds((b,)), cfg, prefill_max_len(w, t)
+            )
+        dense_params = jax.eval_shape(dense_on_use, aparams)
+        for b, t in w["prefill"] if "prefill_dequant" in parts else []:
+            comp.submit(
+                f"prefill_dequant_{b}x{t}",
+                djax.prefill,
+                dense_params,
+                sds((b, t)),
+                sds((b,)),
+                cfg,
+                prefill_max_len(w, t),
             )
         if "generate" not in parts:
             return
@@ -1138,6 +1159,11 @@ def derive(result: dict, cfg, params) -> None:
         b: r["median_step_s"] / dj["decode"][b]["median_step_s"]
         for b, r in dj.get("decode_dequant", {}).items()
         if b in dj.get("decode", {})
+    }
+    result[speedup_key.replace("decode", "prefill", 1)] = {
+        s: r["median_s"] / dj["prefill"][s]["median_s"]
+        for s, r in dj.get("prefill_dequant", {}).items()
+        if s in dj.get("prefill", {})
     }
     result["prefill_mfu"] = {
         s: prefill_flops(cfg, params, *map(int, s.split("x"))) / r["median_s"] / mm

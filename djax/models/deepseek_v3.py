@@ -11,7 +11,7 @@ import numpy as np
 from djax.config import ModelConfig
 from djax.models.layers import (
     apply_rope_interleaved,
-    decode_impl,
+    fp8_impl,
     linear,
     rms_norm,
     rope_cos_sin,
@@ -175,14 +175,15 @@ def _wkv_b(p: dict, cfg: ModelConfig, dtype) -> tuple[jax.Array, jax.Array]:
     return w[:, : cfg.qk_nope_head_dim], w[:, cfg.qk_nope_head_dim :]
 
 
-def attention_sequence(p: dict, x: jax.Array, cfg: ModelConfig):
+def attention_sequence(p: dict, x: jax.Array, cfg: ModelConfig, fp8: str | None = None):
     """Causal MLA over x [b, t, d] from position 0, keys and values expanded per head (the reference form).
+    `fp8`: how FP8 projections run (`layers.linear`; wkv_b, used per head, is made dense).
 
     Returns (out [b, t, d], latent [b, t, c], k_rope [b, t, r]) — the last two are what the cache keeps.
     """
     b, t, _ = x.shape
     pos = jnp.broadcast_to(jnp.arange(t), (b, t))
-    q_nope, q_rope, latent, k_rope = _project(p, x, pos, cfg)
+    q_nope, q_rope, latent, k_rope = _project(p, x, pos, cfg, fp8)
     w_k, w_v = _wkv_b(p, cfg, x.dtype)
     k_nope = jnp.einsum("bsc,hnc->bshn", latent, w_k)  # [b, s, h, n]
     values = jnp.einsum("bsc,hvc->bshv", latent, w_v)  # [b, s, h, v]
@@ -191,7 +192,7 @@ def attention_sequence(p: dict, x: jax.Array, cfg: ModelConfig):
     causal = jnp.arange(t)[None, :] <= jnp.arange(t)[:, None]  # [t, s]
     probs = jax.nn.softmax(jnp.where(causal, logits * softmax_scale(cfg), NEG_INF), axis=-1)
     o = jnp.einsum("bhts,bshv->bthv", probs, values.astype(F32)).astype(x.dtype)  # [b, t, h, v]
-    return linear(o.reshape(b, t, -1), p["wo"]["weight"]), latent, k_rope
+    return linear(o.reshape(b, t, -1), p["wo"]["weight"], fp8), latent, k_rope
 
 
 def attention_decode(
@@ -238,23 +239,29 @@ def _embed(params: dict, tokens: jax.Array, cfg: ModelConfig) -> jax.Array:
     return dense(params["embed"]["weight"], jnp.dtype(cfg.dtype))[tokens]
 
 
-def hidden_sequence(params: dict, tokens: jax.Array, cfg: ModelConfig, moe_impl: str = "grouped"):
-    """Every layer over tokens int[b, t] from position 0. Returns (hidden [b, t, d], [(latent, k_rope)] per layer)."""
+def hidden_sequence(
+    params: dict, tokens: jax.Array, cfg: ModelConfig, moe_impl: str = "grouped", kernels: str = "auto"
+):
+    """Every layer over tokens int[b, t] from position 0. Returns (hidden [b, t, d], [(latent, k_rope)] per layer).
+    kernels ("auto", "ref", "off": `layers.KERNEL_CHOICES`): how the FP8 weights in DeepGEMM's layout run."""
     x = _embed(params, tokens, cfg)  # [b, t, d]
+    fp8 = fp8_impl(x.dtype, kernels)
     caches = []
     for i, lp in enumerate(params["layers"]):
         with jax.named_scope(f"layer{i}"):
             y, latent, k_rope = attention_sequence(
-                lp["attn"], rms_norm(x, lp["attn_norm"]["weight"], cfg.rms_norm_eps), cfg
+                lp["attn"], rms_norm(x, lp["attn_norm"]["weight"], cfg.rms_norm_eps), cfg, fp8
             )
-            x = _ffn_block(lp, x + y, cfg, moe_impl)
+            x = _ffn_block(lp, x + y, cfg, moe_impl, fp8)
             caches.append((latent, k_rope))
     return x, caches
 
 
-def forward(params: dict, tokens: jax.Array, cfg: ModelConfig, moe_impl: str = "grouped") -> jax.Array:
-    """Teacher-forced logits f32[b, t, vocab] for tokens int[b, t] (no cache)."""
-    x, _ = hidden_sequence(params, tokens, cfg, moe_impl)
+def forward(
+    params: dict, tokens: jax.Array, cfg: ModelConfig, moe_impl: str = "grouped", kernels: str = "auto"
+) -> jax.Array:
+    """Teacher-forced logits f32[b, t, vocab] for tokens int[b, t] (no cache); `kernels` as `hidden_sequence`."""
+    x, _ = hidden_sequence(params, tokens, cfg, moe_impl, kernels)
     return _logits(params, x, cfg)
 
 
@@ -276,14 +283,21 @@ def init_state(cfg: ModelConfig, batch: int, max_len: int) -> dict:
 
 
 def prefill(
-    params: dict, tokens: jax.Array, lengths: jax.Array, cfg: ModelConfig, max_len: int, moe_impl="grouped"
+    params: dict,
+    tokens: jax.Array,
+    lengths: jax.Array,
+    cfg: ModelConfig,
+    max_len: int,
+    moe_impl="grouped",
+    kernels: str = "auto",
 ):
     """Run right-padded prompts tokens int[b, t] with true lengths int[b]; return (logits f32[b, v] at lengths-1, state).
 
     The state holds max(max_len, t) positions; the padding's entries are written but stay invisible.
+    `kernels` as `hidden_sequence`.
     """
     b, t = tokens.shape
-    x, caches = hidden_sequence(params, tokens, cfg, moe_impl)
+    x, caches = hidden_sequence(params, tokens, cfg, moe_impl, kernels)
     last = jnp.take_along_axis(x, (lengths - 1)[:, None, None], axis=1)[:, 0]  # [b, d]
     state = init_state(cfg, b, max(max_len, t))
     for st, (latent, k_rope) in zip(state["layers"], caches):
@@ -307,7 +321,7 @@ def decode_step(
     (projections through `fp8_gemm`, routed experts through the FP8 grouped GEMMs); the attention is jnp."""
     pos = state["lengths"]
     x = _embed(params, tokens, cfg)  # [b, d]
-    fp8 = decode_impl(1, x.dtype, True, kernels)
+    fp8 = fp8_impl(x.dtype, kernels)
     new_layers = []
     for i, (lp, st) in enumerate(zip(params["layers"], state["layers"])):
         with jax.named_scope(f"layer{i}"):

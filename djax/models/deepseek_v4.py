@@ -22,6 +22,7 @@ from djax.models import engram
 from djax.models.layers import (
     apply_rope_interleaved,
     decode_impl,
+    fp8_impl,
     linear,
     rms_norm,
     rope_cos_sin,
@@ -39,8 +40,9 @@ from djax.quant import dense
 F32 = jnp.float32
 NEG_INF = -jnp.inf
 
-# `kernels`, an argument of the step functions: how decode steps (chunks of one token) run attention, the
-# indexer and the FP8 weights in DeepGEMM's layout (`layers.KERNEL_CHOICES`, `layers.decode_impl`).
+# `kernels`, an argument of the step functions: how decode steps (chunks of one token) run attention and the
+# indexer, and every chunk the FP8 weights in DeepGEMM's layout (`layers.KERNEL_CHOICES`, `layers.decode_impl`,
+# `layers.fp8_impl`).
 
 
 # ---- declaration -----------------------------------------------------------------------------------
@@ -352,9 +354,9 @@ def _pow2(n: int) -> bool:
 
 
 def _fp8_impl(x: jax.Array, kernels: str) -> str | None:
-    """The `fp8_gemm` impl for the FP8 projections of a chunk x [b, c, d] under `kernels`, or None: the
-    weights made dense (every chunk but a decode step's, and "off")."""
-    return decode_impl(x.shape[1], x.dtype, True, kernels)
+    """The `fp8_gemm` impl for the FP8 projections of a chunk x [b, c, d] of any length under `kernels`, or
+    None: the weights made dense on use ("off", and "auto" off CUDA)."""
+    return fp8_impl(x.dtype, kernels)
 
 
 def _index_impl(c: int, q: jax.Array, kernels: str) -> str | None:
@@ -713,7 +715,8 @@ def run_layers(
     last `keep` real tokens of each row, their window keys starting at that replay start; the streams
     returned are then those `keep` positions (row r's last real token at min(valid[r], keep) - 1).
     A state holding "expert_counts" int32[layers, e] gets its valid tokens' router choices added.
-    kernels: how decode steps run attention and the indexer (see `layers.KERNEL_CHOICES`).
+    kernels: how decode steps run attention and the indexer, and every chunk its FP8 weights in DeepGEMM's
+    layout (see `layers.KERNEL_CHOICES`).
     """
     b, c = tokens.shape
     valid = jnp.full((b,), c, jnp.int32) if valid is None else valid.astype(jnp.int32)
@@ -783,17 +786,20 @@ def extend(
 
     The one step function behind forward, prefill, chunked prefill and decode. Returns the last
     layer's streams [b, c, n, d] and the state with lengths += valid (rows with valid 0 are untouched).
-    `keep` > 0 turns on SWA bounded replay (see `run_layers`); `kernels` picks the decode kernels
-    ("auto", "ref", "off": see `layers.KERNEL_CHOICES`).
+    `keep` > 0 turns on SWA bounded replay (see `run_layers`); `kernels` picks the decode kernels and how
+    FP8 weights run ("auto", "ref", "off": see `layers.KERNEL_CHOICES`).
     """
     h, state, _ = run_layers(params, tokens, state, cfg, valid, moe_impl, keep, kernels)
     return h, state
 
 
-def forward(params: dict, tokens: jax.Array, cfg: ModelConfig, moe_impl: str = "grouped") -> jax.Array:
-    """Teacher-forced logits f32[b, t, vocab] for tokens int[b, t] from position 0 (a throwaway state)."""
+def forward(
+    params: dict, tokens: jax.Array, cfg: ModelConfig, moe_impl: str = "grouped", kernels: str = "auto"
+) -> jax.Array:
+    """Teacher-forced logits f32[b, t, vocab] for tokens int[b, t] from position 0 (a throwaway state);
+    `kernels` as `extend`'s."""
     b, t = tokens.shape
-    h, _ = extend(params, tokens, init_state(cfg, b, t), cfg, moe_impl=moe_impl)
+    h, _ = extend(params, tokens, init_state(cfg, b, t), cfg, moe_impl=moe_impl, kernels=kernels)
     return logits_from_hidden(params, h, cfg)
 
 
@@ -867,11 +873,13 @@ def prefill(
     keep: int | None = None,
     spare: int = 0,
     count_experts: bool = False,
+    kernels: str = "auto",
 ):
     """Right-padded prompts tokens [b, t] with true lengths [b] -> (logits f32[b, v] at each last token, state).
 
     keep: SWA bounded replay length (None: the config's `replay_keep_tokens`; 0: exact prefill).
     count_experts: the state carries "expert_counts" int32[layers, e], the router's choices so far.
+    kernels: how the FP8 weights in DeepGEMM's layout run (`extend`'s).
     """
     b, t = tokens.shape
     keep = cfg.replay_keep_tokens if keep is None else keep
@@ -879,7 +887,7 @@ def prefill(
     state = init_state(cfg, b, max(max_len, t), spare)
     if count_experts:
         state["expert_counts"] = jnp.zeros((cfg.num_hidden_layers, cfg.n_routed_experts), jnp.int32)
-    h, state = extend(params, tokens, state, cfg, lengths, moe_impl, keep)
+    h, state = extend(params, tokens, state, cfg, lengths, moe_impl, keep, kernels)
     last = (jnp.minimum(lengths, keep) if keep else lengths) - 1
     h = jnp.take_along_axis(h, last[:, None, None, None], axis=1)[:, 0]
     return logits_from_hidden(params, h, cfg), state

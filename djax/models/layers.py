@@ -28,29 +28,42 @@ def unit_rms_norm(x: jax.Array, eps: float) -> jax.Array:
     return x * scale.astype(x.dtype)
 
 
-# `kernels`, an argument of the models' decode steps: how decode steps (chunks of one token) run attention,
-# the indexer (V4) and the FP8 weights in DeepGEMM's layout (`takes_fp8_gemm` projections: activations
-# quantized 1x128, then `fp8_gemm`; `takes_fp8_grouped` routed experts: the FP8 grouped GEMMs; other weights
-# are made dense first). "auto": the kernels of djax.kernels where they apply (CUDA with Triton, bf16,
-# kernel-friendly shapes), the jnp path everywhere else; "ref": through the kernels' jnp references on any
-# backend (tests the plumbing); "off": the jnp path. The routed experts are the MoE impl's business
-# (`moe.experts_grouped` takes the Triton kernels on CUDA, FP8 ones included, whatever `kernels` says);
-# `kernels` only adds the FP8 experts' path at decode under "ref" and "auto".
+# `kernels`, an argument of the models' step functions: how decode steps (chunks of one token) run attention
+# and the indexer (V4), and how every chunk, prefill included, runs the FP8 weights in DeepGEMM's layout
+# (`takes_fp8_gemm` projections: activations quantized 1x128, then `fp8_gemm`; `takes_fp8_grouped` routed
+# experts: the FP8 grouped GEMMs; other weights are made dense first). "auto": the kernels of djax.kernels
+# where they apply (CUDA with Triton, bf16, kernel-friendly shapes), the jnp path everywhere else; "ref":
+# through the kernels' jnp references on any backend (tests the plumbing); "off": the jnp path, FP8 weights
+# made dense on use. The routed experts are the MoE impl's business (`moe.experts_grouped` takes the Triton
+# kernels on CUDA, FP8 ones included, whatever `kernels` says); `kernels` only adds the FP8 experts' path
+# under "ref" and "auto".
 KERNEL_CHOICES = ("auto", "ref", "off")
 
 
-def decode_impl(c: int, dtype, kernel_shapes: bool, kernels: str) -> str | None:
-    """The djax.kernels impl for a chunk of c tokens under `kernels`, or None for the jnp path. On the fast
-    path it is "auto": each op picks its kernel for the shapes it gets (TileLang or Triton attention,
-    `lax.top_k` for a few rows)."""
+def fp8_impl(dtype, kernels: str) -> str | None:
+    """The `fp8_gemm` impl for FP8 weights in DeepGEMM's layout under `kernels`, in a chunk of any length
+    with activations of `dtype`, or None: the weights made dense on use. The GEMM takes any number of rows
+    (its "auto" picks the tiles for them), so unlike attention this is not a decode-step-only choice: a
+    prefill chunk reads the narrow weights as stored too, as DeepSeek's inference does."""
     if kernels not in KERNEL_CHOICES:
         raise ValueError(f"kernels must be one of {KERNEL_CHOICES}, got {kernels!r}")
-    if c != 1 or kernels == "off":
+    if kernels == "off":
         return None
     if kernels == "ref":
         return "ref"
     fast = dispatch.on_cuda() and dispatch.has_triton() and jnp.dtype(dtype) == jnp.bfloat16
-    return "auto" if fast and kernel_shapes else None
+    return "auto" if fast else None
+
+
+def decode_impl(c: int, dtype, kernel_shapes: bool, kernels: str) -> str | None:
+    """The djax.kernels impl of a decode-step kernel (attention, the indexer) for a chunk of c tokens under
+    `kernels`, or None for the jnp path: `fp8_impl`'s choice at c = 1, where "auto" also needs
+    `kernel_shapes`. On the fast path it is "auto": each op picks its kernel for the shapes it gets
+    (TileLang or Triton attention, `lax.top_k` for a few rows)."""
+    impl = fp8_impl(dtype, kernels)
+    if c != 1 or (impl == "auto" and not kernel_shapes):
+        return None
+    return impl
 
 
 def takes_fp8_gemm(w) -> bool:

@@ -78,13 +78,14 @@ def test_forward_and_decode_fast_paths_within_bf16_error(name):
 
 def _decode_logits(params, cfg, tokens, lens, kernels: str, steps: int = 12):
     """Prefill row r's first lens[r] of tokens [b, 96] (a prompt of 64), then `steps` decode steps, each fed
-    the row's next token, under `kernels`: the logits [steps, b, vocab]."""
+    the row's next token, all under `kernels`: the prefill's logits, then the steps', [1 + steps, b, vocab]."""
     from djax.models import deepseek_v4 as v4
 
     prompt = jnp.where(jnp.arange(64)[None] < lens[:, None], tokens[:, :64], 0)
-    _, state = djax.prefill(params, prompt, lens, cfg, max_len=96)
+    prefill = jax.jit(functools.partial(v4.prefill, cfg=cfg, max_len=96, kernels=kernels))
+    logits, state = prefill(params, prompt, lens)
     step = jax.jit(functools.partial(v4.decode_step, cfg=cfg, kernels=kernels))
-    out = []
+    out = [logits]
     for _ in range(steps):
         tok = jnp.take_along_axis(tokens, state["lengths"][:, None], axis=1)[:, 0]
         logits, state = step(params, tok, state)
@@ -162,9 +163,9 @@ def test_decode_kernels_auto_within_bf16_error(name, heads, monkeypatch):
 
 def test_decode_fp8_model_auto_within_bf16_error(monkeypatch):
     """An FP8 model (projections and routed experts as e4m3 with 128x128 scales, `quantize_projections`)
-    decoding with kernels="auto" (activations quantized 1x128, then the CUDA kernels of fp8_gemm, of the
-    FP8 gate/up kernel and of the FP8 grouped GEMM) against kernels="ref" (the same quantization, their jnp
-    references), both bf16, judged against a float32 run of "ref"."""
+    prefilling and decoding with kernels="auto" (activations quantized 1x128, then the CUDA kernels of
+    fp8_gemm, of the FP8 gate/up kernel and of the FP8 grouped GEMM) against kernels="ref" (the same
+    quantization, their jnp references), both bf16, judged against a float32 run of "ref"."""
     from djax.kernels import fp8_gemm as kfp8
 
     jax.clear_caches()
@@ -195,7 +196,7 @@ def test_decode_fp8_model_auto_within_bf16_error(monkeypatch):
     truth = _decode_logits(p32, cfg, tokens, lens, "ref")
     slow = _decode_logits(pbf, bf, tokens, lens, "ref")
 
-    # the ops called with `impl` (the bf16 prefill's routed experts take "triton" in both runs)
+    # the ops called with `impl`, in the prefill and the steps
     def took(impl):
         return {op for op, i in impls if i == impl}
 

@@ -1,6 +1,6 @@
 """FP8 projections through `fp8_gemm`: `layers.linear` with an FP8 weight in DeepGEMM's layout quantizes the
-activations 1x128 and runs the block-scaled GEMM; the model does so at decode steps under kernels "ref" and
-"auto", and makes the weight dense everywhere else."""
+activations 1x128 and runs the block-scaled GEMM; the model does so in every chunk (decode steps and
+prefill) under kernels "ref" and "auto", and makes the weight dense under "off"."""
 
 import jax
 import jax.numpy as jnp
@@ -146,10 +146,8 @@ def _typical_error(out) -> float:
     return float(np.median(np.abs(out["ref"] - out["off"]).max(-1)) / np.abs(out["off"]).max())
 
 
-def test_decode_runs_fp8_weights_through_fp8_kernels(monkeypatch):
-    """kernels="ref": every 128-multiple projection of a decode step goes through fp8_gemm (once per trace) and
-    every layer's routed experts through the FP8 gate/up kernel and one FP8 grouped GEMM, a prefill chunk
-    through none; the logits stay near the dense path's, which does not round activations."""
+def _v4_fp8_model():
+    """The FP8 tiny-v4 and what one pass over its layers traces: {op: sorted weight shapes}."""
     cfg = _config()
     params = quantize_projections(init_params_host(cfg), cfg)
     projections = sorted(
@@ -159,8 +157,19 @@ def test_decode_runs_fp8_weights_through_fp8_kernels(monkeypatch):
     )
     assert len(projections) >= 12
     e, d, f = cfg.n_routed_experts, cfg.hidden_size, cfg.moe_intermediate_size
-    experts = {"grouped_swiglu_contiguous": [(e, f, d)] * cfg.num_hidden_layers}
-    experts["grouped_contiguous"] = [(e, d, f)] * cfg.num_hidden_layers
+    expected = {
+        "fp8_gemm": projections,
+        "grouped_swiglu_contiguous": [(e, f, d)] * cfg.num_hidden_layers,
+        "grouped_contiguous": [(e, d, f)] * cfg.num_hidden_layers,
+    }
+    return cfg, params, expected
+
+
+def test_decode_runs_fp8_weights_through_fp8_kernels(monkeypatch):
+    """kernels="ref": every 128-multiple projection of a decode step goes through fp8_gemm (once per trace) and
+    every layer's routed experts through the FP8 gate/up kernel and one FP8 grouped GEMM; the logits stay
+    near the dense path's, which does not round activations."""
+    cfg, params, expected = _v4_fp8_model()
     calls = _record_fp8_kernels(monkeypatch)
 
     b, n = 2, 24
@@ -173,12 +182,7 @@ def test_decode_runs_fp8_weights_through_fp8_kernels(monkeypatch):
 
         return jax.lax.scan(step, v4.init_state(cfg, b, n + 8), t.T)[1]
 
-    out = _logits_off_and_ref(run, params, tokens, calls, {"fp8_gemm": projections, **experts})
-
-    for seen in calls.values():
-        seen.clear()
-    jax.eval_shape(lambda p, t: v4.extend(p, t, v4.init_state(cfg, b, n), cfg, kernels="ref"), params, tokens)
-    assert calls == {op: [] for op in _WEIGHT_AT}  # a prefill chunk makes the weights dense
+    out = _logits_off_and_ref(run, params, tokens, calls, expected)
 
     # Rounding the activations to e4m3 (3 mantissa bits: a relative error of up to 2^-4, 3.6% rms) moves each
     # projection's output by about 3.6% rms; through three layers of this random-weight model the median over
@@ -188,6 +192,32 @@ def test_decode_runs_fp8_weights_through_fp8_kernels(monkeypatch):
     # test_linear_fp8_ref_matches_numpy and tests/kernels/test_moe_experts_fp8.py.
     typical = _typical_error(out)
     assert 1e-4 < typical < 0.1, typical
+
+
+def test_prefill_runs_fp8_weights_through_fp8_kernels(monkeypatch):
+    """A prefill chunk reads FP8 weights as stored too: under kernels="ref" every projection through fp8_gemm
+    and the routed experts through the FP8 grouped GEMMs, over all the chunk's rows at once (the traced
+    weight shapes as at a decode step), under "off" none; the last tokens' logits near the dense path's.
+    Per-row activation scales keep a row's result its own: a row prefilled beside another of a different
+    length gets the logits it gets alone."""
+    cfg, params, expected = _v4_fp8_model()
+    calls = _record_fp8_kernels(monkeypatch)
+    b, t = 4, 40  # 40: not a multiple of the compression ratios or of 128 rows
+    tokens = jax.random.randint(jax.random.key(6), (b, t), 0, cfg.vocab_size)
+    lengths = jnp.array([t, 29, 13, 37], jnp.int32)
+
+    def run(p, tok, mode, lengths=lengths):
+        return v4.prefill(p, tok, lengths, cfg, t + 8, kernels=mode)[0]
+
+    out = _logits_off_and_ref(run, params, tokens, calls, expected)
+    # as at decode, the activations' e4m3 rounding through three layers: measured 0.069 of the largest logit
+    typical = _typical_error(out)
+    assert 1e-4 < typical < 0.1, typical
+
+    alone = jax.jit(lambda p, tok: run(p, tok, "ref", lengths[1:2]))(params, tokens[1:2])
+    np.testing.assert_allclose(
+        np.asarray(alone)[0], out["ref"][1], rtol=2e-5, atol=2e-5 * np.abs(out["ref"]).max()
+    )
 
 
 def _v3_config():
@@ -244,3 +274,37 @@ def test_v3_decode_runs_fp8_weights_through_fp8_kernels(monkeypatch):
     assert 1e-4 < typical < 0.1, typical
     with pytest.raises(ValueError, match="kernels must be one of"):
         v3.decode_step(params, tokens[:, 0], v3.init_state(cfg, b, n), cfg, kernels="fast")
+
+
+def test_v3_prefill_runs_fp8_weights_through_fp8_kernels(monkeypatch):
+    """V3's prefill under kernels="ref" takes the same FP8 kernels as its decode step (wkv_b made dense),
+    "off" none; the last tokens' logits near the dense path's."""
+    from djax.models import deepseek_v3 as v3
+
+    cfg = _v3_config()
+    params = quantize_projections(init_params_host(cfg), cfg)
+    projections = sorted(
+        tuple(w.values.shape)
+        for name, w in flatten_names(params).items()
+        if takes_fp8_gemm(w) and not name.endswith("wkv_b.weight")
+    )
+    e, d, f = cfg.n_routed_experts, cfg.hidden_size, cfg.moe_intermediate_size
+    moe_layers = cfg.num_hidden_layers - cfg.first_k_dense_replace
+    expected = {
+        "fp8_gemm": projections,
+        "grouped_swiglu_contiguous": [(e, f, d)] * moe_layers,
+        "grouped_contiguous": [(e, d, f)] * moe_layers,
+    }
+    calls = _record_fp8_kernels(monkeypatch)
+    b, t = 4, 24
+    tokens = jax.random.randint(jax.random.key(7), (b, t), 0, cfg.vocab_size)
+    lengths = jnp.array([t, 17, 9, 22], jnp.int32)
+
+    def run(p, tok, mode):
+        return v3.prefill(p, tok, lengths, cfg, t + 4, kernels=mode)[0]
+
+    out = _logits_off_and_ref(run, params, tokens, calls, expected)
+    typical = _typical_error(out)  # measured 0.036
+    assert 1e-4 < typical < 0.1, typical
+    with pytest.raises(ValueError, match="kernels must be one of"):
+        v3.prefill(params, tokens, lengths, cfg, t, kernels="fast")
