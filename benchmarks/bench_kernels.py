@@ -215,7 +215,8 @@ def run(
         With defaults_only, only what a caller gets by default is timed (see `is_default`)."""
         if defaults_only and not is_default(variant):
             return None
-        peak = FP8_PEAK if kernel.startswith("fp8") else BF16_RATE
+        # fp8_weight: FP8 weights into bf16 dots
+        peak = FP8_PEAK if kernel.startswith("fp8") and kernel != "fp8_weight" else BF16_RATE
         err = None
         try:
             if check is not None:
@@ -520,6 +521,7 @@ def run(
         "fp8": fp8,
         "fp8_grouped_ep": fp8_grouped_ep_cases,
         "fp8_linear": fp8_linear_cases,
+        "fp8_weight": fp8_weight_cases,
         "moe_fp8": moe_fp8_cases,
         "moe_fp4": moe_fp4_cases,
     }
@@ -545,44 +547,43 @@ def run(
 
 # V4-Flash projections a decode step reads (out, in): q LoRA up, output LoRA down, shared expert up and down
 FP8_LINEAR_SHAPES = [(32768, 1024), (4096, 8192), (2048, 4096), (4096, 2048)]
+# V4.1-Flash's (hidden 5120, q LoRA 1280, shared expert 2304), whose FP8 blocks are 32 x 32
+FP8_WEIGHT_SHAPES = [(32768, 1280), (5120, 8192), (2304, 5120), (5120, 2304)]
 
 
-def fp8_linear_cases(record, small: bool):
-    """The model's `linear` with an FP8 weight (e4m3, 128x128 scales) at decode batch sizes: made dense on
-    use (the path without kernels), activations quantized 1x128 + `fp8_gemm` (kernels "auto"), and, for
-    scale, the same product with a bf16 weight (what a bf16 checkpoint reads)."""
+def fp8_linear_cases(record, small: bool, section="fp8_linear", block=(128, 128), batches=(1, 32, 128)):
+    """The model's `linear` with an FP8 weight (e4m3, `block` scales) at decode batch sizes: made dense on
+    use (the path without kernels), the kernel "auto" takes (128 x 128 blocks: activations quantized 1x128 +
+    `fp8_gemm`; other blocks: `fp8_weight_gemm`, activations as they are) and, for scale, the same product
+    with a bf16 weight (what a bf16 checkpoint reads)."""
     from djax.models.layers import linear
     from djax.quant import QArray, quantize
 
     def fp8_linear(fp8):  # the model's linear on an FP8 weight given as (values, scale)
-        return lambda x, v, s, wb: linear(x, QArray(v, s, (128, 128)), fp8=fp8)
+        return lambda x, v, s, wb: linear(x, QArray(v, s, block), fp8=fp8)
 
-    shapes = FP8_LINEAR_SHAPES if not small else [(256, 256)]
-    for (n, k), m in [(s, m) for s in shapes for m in ((1, 32, 128) if not small else (4,))]:
+    kernel = "act quant + fp8_gemm (auto)" if block == (128, 128) else "fp8_weight_gemm (auto)"
+    shapes = (FP8_LINEAR_SHAPES if block == (128, 128) else FP8_WEIGHT_SHAPES) if not small else [(256, 256)]
+    for (n, k), m in [(s, m) for s in shapes for m in (batches if not small else (4,))]:
         sets = []
         for i in range(4):
-            w = quantize(jax.random.normal(jax.random.key(70 + i), (n, k), jnp.float32) * 0.02)
+            w = quantize(jax.random.normal(jax.random.key(70 + i), (n, k), jnp.float32) * 0.02, block)
             x = jax.random.normal(jax.random.key(80 + i), (m, k), jnp.float32).astype(BF16)
             sets.append((x, w.values, w.scale, w.dense(BF16)))
-        flops, nbytes = 2 * m * n * k, n * k + 4 * (n // 128) * (k // 128) + 2 * m * (n + k)
+        scales = 4 * -(-n // block[0]) * -(-k // block[1])
+        flops, nbytes = 2 * m * n * k, n * k + scales + 2 * m * (n + k)
         shape = f"m{m} n{n} k{k}"
-        t_dense = record(
-            "fp8_linear", shape, "dense on use (no kernels)", fp8_linear(None), sets, flops, nbytes
-        )
+        t_dense = record(section, shape, "dense on use (no kernels)", fp8_linear(None), sets, flops, nbytes)
         ref = (fp8_linear("ref"), lambda y: y)
-        record(
-            "fp8_linear",
-            shape,
-            "act quant + fp8_gemm (auto)",
-            fp8_linear("auto"),
-            sets,
-            flops,
-            nbytes,
-            t_dense,
-            ref,
-        )
+        record(section, shape, kernel, fp8_linear("auto"), sets, flops, nbytes, t_dense, ref)
         bf16 = lambda x, v, s, wb: linear(x, wb)  # noqa: E731
-        record("fp8_linear", shape, "bf16 weight (2x the bytes)", bf16, sets, flops, nbytes + n * k, t_dense)
+        record(section, shape, "bf16 weight (2x the bytes)", bf16, sets, flops, nbytes + n * k, t_dense)
+
+
+def fp8_weight_cases(record, small: bool):
+    """`fp8_linear_cases` for V4.1's 32 x 32-block FP8 projections, up to the rows `linear` reads them as
+    stored (FP8_WEIGHT_MAX_ROWS)."""
+    fp8_linear_cases(record, small, "fp8_weight", (32, 32), (1, 32, 128, 256))
 
 
 def plot(rows, path):
@@ -622,7 +623,8 @@ if __name__ == "__main__":
         default="attn,index,topk,moe,fp8",
         help="comma list of sections: attn (sparse decode attention), index (indexer scores + top-k), topk, moe, "
         "fp8, attn_blocks (not in the default: the sparse decode at b 64 over 1 to 5 key blocks per split), "
-        "fp8_linear (not in the default: the model's FP8 projections with and without fp8_gemm), moe_fp8 (not in "
+        "fp8_linear (not in the default: the model's FP8 projections with and without fp8_gemm), fp8_weight (not "
+        "in the default: V4.1's 32 x 32-block FP8 projections with and without fp8_weight_gemm), moe_fp8 (not in "
         "the default: routed experts with FP8 weights, made dense on use or read by the FP8 grouped GEMMs), moe_fp4 "
         "(not in the default: V4.1-Flash's FP4 routed experts, made dense on use or read as stored), "
         "fp8_grouped_ep (not in the default: FP8 grouped contiguous at few groups of many rows, an "

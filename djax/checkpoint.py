@@ -408,13 +408,14 @@ def _tensors(name: str, w: Any, expert: int | None, quant: tuple[int, int] | Non
 
 
 def _fp8_eligible(name: str, p: Param) -> bool:
-    """The matrices DeepSeek ships in FP8: every projection, but not the embedding, head or router."""
+    """The matrices DeepSeek ships in FP8: every projection, but not the embedding tables (the token
+    embedding, V4.1's Engram tables: looked up by row, not multiplied), the head or the router."""
     return (
         p.dtype is None
         and name.endswith(".weight")
         and len(p.shape) == 2
-        and name not in ("embed.weight", "head.weight")
-        and not name.endswith(".gate.weight")
+        and name != "head.weight"
+        and not name.endswith(("embed.weight", ".gate.weight"))
     )
 
 

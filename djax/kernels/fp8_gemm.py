@@ -1,6 +1,7 @@
 """Public FP8 block-scaled GEMM ops (dense, grouped contiguous, grouped masked, and the experts' gate and up
 with their SwiGLU in the contiguous layout): impl "auto"|"ref"|"triton"|"tilelang" (dense only)|"interpret"
-(the Triton kernel in its CPU interpreter via a host callback, float32 stand-ins; for tests).
+(the Triton kernel in its CPU interpreter via a host callback, float32 stand-ins; for tests). And
+`fp8_weight_gemm`: FP8 weights with block scales of any shape against unquantized activations.
 
 The Triton kernels leave skipped rows (padding, rows past a group's count) unwritten; the reference zeros them.
 """
@@ -16,6 +17,7 @@ from djax.kernels import fp8_swiglu_triton as sk
 from djax.kernels.dispatch import H200_SMS, resolve
 from djax.kernels.fp8_gemm_ref import (
     fp8_gemm_ref,
+    fp8_weight_gemm_ref,
     grouped_contiguous_ref,
     grouped_masked_ref,
     grouped_swiglu_contiguous_ref,
@@ -26,6 +28,7 @@ from djax.kernels.grouped_gemm_triton import GemmConfig, masked_config
 
 IMPLS = ("ref", "triton", "tilelang", "interpret")
 GROUPED_IMPLS = ("ref", "triton", "interpret")
+WEIGHT_IMPLS = ("ref", "triton", "interpret")
 CONTIGUOUS_IMPLS = ("ref", "triton", "tilelang", "interpret")
 # Masked layout without a config: the widest of these tiles whose height divides the rows per group. H200,
 # V4-Flash's gate/up shape at 64 rows per group (kernels_h200_fp8_grouped_tilelang.json): 64-row tiles
@@ -72,6 +75,40 @@ def fp8_gemm(
         return fp8_gemm_tilelang(a, a_scale, b, b_scale, out_dtype, tiling=tiling, variant=variant)
     cfg = cfg or dense_config(a.shape[0], b.shape[0], a.shape[1])
     return _run(impl, "dense", a, a_scale, b[None], b_scale[None], None, out_dtype, cfg)
+
+
+def fp8_weight_gemm(a, b, b_scale, block, impl: str = "auto", cfg=None, decode: str | None = None):
+    """a @ w^T for an FP8 weight read as stored: b's e4m3 codes [n, k] with one float32 scale per block[0] x
+    block[1] block (any block shape, e.g. V4.1's 32 x 32), a [m, k] not quantized; see
+    `fp8_gemm_ref.fp8_weight_gemm_ref`. Returns a's dtype [m, n].
+
+    impl "triton" (`fp8_weight_triton`; block[1] must divide the config's K step, 128 by default),
+    "interpret" (that kernel in Triton's CPU interpreter, bf16 operands as float32 stand-ins), "ref", or
+    "auto" (Triton on CUDA). cfg: an `Fp8Config` (None: `fp8_weight_triton.weight_config`); decode: how the
+    kernel makes the codes float ("cast" or "bits"; None: "cast" compiled, "bits" interpreted)."""
+    from djax.kernels import fp8_weight_triton as wk
+
+    block = tuple(block)
+    shapes.fp8_weight(a, b, b_scale, block)
+    impl = resolve(impl, WEIGHT_IMPLS)
+    if impl == "ref":
+        return fp8_weight_gemm_ref(a, b, b_scale, block)
+    (m, k), n = a.shape, b.shape[0]
+    cfg = cfg or wk.weight_config(m, n, k)
+    decode = decode or ("bits" if impl == "interpret" else "cast")
+    cx = wk.constexprs(m, n, k, block, decode, cfg)  # checks the config at trace time, before any callback
+    splits = split_k(cfg)
+    out = jax.ShapeDtypeStruct((m, n), a.dtype)
+    if splits > 1:  # each split writes an f32 partial, summed and cast after the kernel
+        out = jax.ShapeDtypeStruct((splits, m, n), jnp.float32)
+    args = [a, jax.lax.bitcast_convert_type(b, jnp.uint8), b_scale.astype(jnp.float32)]
+    if impl == "interpret":
+        host = lambda *h: _host_weight(block, cfg, decode, out.dtype, *h)  # noqa: E731
+        c = jax.pure_callback(host, out, *args)
+    else:
+        names = ["a_ptr", "b_ptr", "bs_ptr", "c_ptr"]
+        c = _launch(wk.fp8_weight_gemm_kernel, names, args, out, cx, cfg, wk.grid(m, n, cfg))
+    return c if splits == 1 else c.sum(0).astype(a.dtype)
 
 
 def auto_takes_tilelang(a, b, out_dtype) -> bool:
@@ -280,6 +317,13 @@ def _host(mode, cfg, out_dtype, a, a_scale, b, b_scale, groups):
         b, b_scale = b[0], b_scale[0]
     g = None if mode == "dense" else _torch(groups, np.int32)
     out = launch_torch(_torch(a), _torch(a_scale), _torch(b), _torch(b_scale), g, mode, cfg)
+    return out.numpy().astype(out_dtype)
+
+
+def _host_weight(block, cfg, decode, out_dtype, a, codes, scale):
+    from djax.kernels.fp8_weight_triton import launch_torch
+
+    out = launch_torch(_torch(a), _torch(codes, np.uint8), _torch(scale), block, cfg, decode)
     return out.numpy().astype(out_dtype)
 
 

@@ -1,4 +1,5 @@
-"""FP8 e4m3 block-scaled GEMMs in jnp (DeepGEMM's SM90 scale layout): dense, grouped contiguous, grouped masked.
+"""FP8 e4m3 block-scaled GEMMs in jnp (DeepGEMM's SM90 scale layout): dense, grouped contiguous, grouped masked;
+and the weight-only form (FP8 weights with any block scales, activations unquantized).
 
 Scales: activations 1x128 (per row, per 128 columns of k), weights 128x128; a trailing partial block
 (k or n not a multiple of 128) has its own scale. Every product accumulates in float32.
@@ -65,6 +66,17 @@ def fp8_gemm_ref(a, a_scale, b, b_scale, out_dtype=jnp.bfloat16):
     b_scale f32[nb, kb]. Returns out_dtype[m, n]."""
     out = jnp.einsum("mk,nk->mn", dequant_act(a, a_scale), dequant_weight(b, b_scale), precision="highest")
     return out.astype(out_dtype)
+
+
+def fp8_weight_gemm_ref(a, b, b_scale, block: tuple[int, int]):
+    """out[m, n] = sum_k a[m, k] w[n, k] with the weight made dense as the model makes it (`QArray.dense`):
+    b's e4m3 codes [n, k] in float32 times the scale of their block[0] x block[1] block (b_scale f32
+    [ceil(n / block[0]), ceil(k / block[1])]), rounded to a's dtype. The activations stay as they are (no
+    quantization); products accumulate in float32. Returns a's dtype [m, n]."""
+    from djax.quant import QArray  # here: djax.quant is the model's; the kernels' other references need none
+
+    w = QArray(b, b_scale.astype(F32), tuple(block)).dense(a.dtype)
+    return jnp.einsum("mk,nk->mn", a, w, preferred_element_type=F32).astype(a.dtype)
 
 
 def grouped_contiguous_ref(a, a_scale, b, b_scale, m_indices, out_dtype=jnp.bfloat16):

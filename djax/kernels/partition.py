@@ -111,3 +111,15 @@ def fp8_gemm(impl: str):
         return _fp8.fp8_gemm(a, a_scale, b, b_scale, out_dtype=out_dtype, impl=impl)
 
     return batch_sharded(fn, "m k, m j, n k, i j -> m n", (True, True, False, False), static_argnums=(4,))
+
+
+@functools.cache
+def fp8_weight_gemm(impl: str):
+    """djax.kernels.fp8_gemm.fp8_weight_gemm(a, b, b_scale, block): rows of a split."""
+
+    def fn(a, b, b_scale, block):
+        from djax.kernels import fp8_gemm as _fp8
+
+        return _fp8.fp8_weight_gemm(a, b, b_scale, block, impl=impl)
+
+    return batch_sharded(fn, "m k, n k, i j -> m n", (True, False, False), static_argnums=(3,))

@@ -5,6 +5,8 @@ from __future__ import annotations
 
 import operator
 
+import jax.numpy as jnp
+
 from djax.kernels.fp8_gemm_ref import scale_blocks
 
 
@@ -23,6 +25,19 @@ def fp8_dense(a, a_scale, b, b_scale) -> None:
     expect("fp8_gemm", "b", b, (None, k))
     expect("fp8_gemm", "a_scale", a_scale, (m, scale_blocks(k)))
     expect("fp8_gemm", "b_scale", b_scale, (scale_blocks(b.shape[0]), scale_blocks(k)))
+
+
+def fp8_weight(a, b, b_scale, block) -> None:
+    """a [m, k]; b [n, k] e4m3 codes; block two positive ints; b_scale [ceil(n / block[0]), ceil(k / block[1])]."""
+    op = "fp8_weight_gemm"
+    if len(block) != 2 or not all(isinstance(x, int) and x > 0 for x in block):
+        raise ValueError(f"{op}: block must be two positive ints, got {block!r}")
+    expect(op, "a", a, (None, None))
+    k = a.shape[1]
+    expect(op, "b", b, (None, k))
+    expect(op, "b_scale", b_scale, (-(-b.shape[0] // block[0]), -(-k // block[1])))
+    if b.dtype != jnp.float8_e4m3fn:
+        raise ValueError(f"{op}: b must hold float8_e4m3fn codes, got {b.dtype}")
 
 
 def fp8_contiguous(a, a_scale, b, b_scale, m_indices) -> None:

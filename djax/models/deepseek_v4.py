@@ -746,7 +746,8 @@ def run_layers(
             floor = jnp.where(start > 0, p0, 0)
         with jax.named_scope(f"layer{i}"):
             if "engram" in lp:
-                h = engram.engram_apply(lp["engram"], h, ids[cfg.engram_layer_ids.index(i)], cfg)
+                e_ids = ids[cfg.engram_layer_ids.index(i)]
+                h = engram.engram_apply(lp["engram"], h, e_ids, cfg, _fp8_impl(h, kernels))
             if i in cfg.dspark_target_layer_ids:
                 aux[i] = jnp.mean(h.astype(F32), axis=-2).astype(h.dtype)
             x, post, comb, pre = _sublayer_mix(h, pre, lp, "hc_attn", cfg)

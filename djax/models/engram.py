@@ -192,10 +192,13 @@ def gate(
     return (hf + score[..., None] * value.astype(jnp.float32)[..., None, :]).astype(h.dtype)
 
 
-def engram_apply(p: dict, h: jax.Array, ids: jax.Array, cfg: ModelConfig) -> jax.Array:
-    """Add one Engram layer to the streams h [b, c, n, d] given its row ids int32[b, c, cols]."""
+def engram_apply(
+    p: dict, h: jax.Array, ids: jax.Array, cfg: ModelConfig, fp8: str | None = None
+) -> jax.Array:
+    """Add one Engram layer to the streams h [b, c, n, d] given its row ids int32[b, c, cols]. `fp8`: how an
+    FP8 wkv runs (`layers.linear`)."""
     n, d = cfg.hc_mult, cfg.hidden_size
     rows = fetch_rows(p["embed"]["weight"], ids).astype(h.dtype)  # [b, c, cols, hd]
-    kv = linear(rows.reshape(*rows.shape[:-2], -1), p["wkv"]["weight"])  # [b, c, (n + 1) d]
+    kv = linear(rows.reshape(*rows.shape[:-2], -1), p["wkv"]["weight"], fp8)  # [b, c, (n + 1) d]
     key = kv[..., : n * d].reshape(*kv.shape[:-1], n, d)
     return gate(h, key, kv[..., n * d :], p["q_weight"], p["k_weight"], cfg.rms_norm_eps)

@@ -79,6 +79,23 @@ def takes_fp8_grouped(w) -> bool:
     return _deepgemm_fp8(w, 3)
 
 
+# Rows up to which an FP8 weight in another block layout (`takes_fp8_weight_gemm`) is read as stored by
+# `fp8_weight_gemm` instead of made dense on use. By bytes and FLOPs (H200: 4.3 TB/s, about 600 TFLOP/s in
+# bf16): made dense, each weight value costs 5 bytes of traffic (1 read, 2 written, 2 read by the GEMM)
+# before the GEMM's 2 m FLOPs, which is 349 / m of the GEMM's time; the kernel's bf16 dot, with the codes
+# decoded in its loop, is assumed no better than 75% of cuBLAS's. So below about 1,000 rows the kernel
+# wins, and by a wide margin at decode sizes; 256 keeps to where the margin is wide. Not yet measured.
+FP8_WEIGHT_MAX_ROWS = 256
+
+
+def takes_fp8_weight_gemm(w) -> bool:
+    """Whether w is an FP8 weight that `takes_fp8_gemm` refuses but `fp8_weight_gemm` reads as stored: an e4m3
+    QArray [out, in] whose scale blocks' input side divides 128 (V4.1's 32 x 32 blocks)."""
+    if not isinstance(w, QArray) or w.is_fp4 or w.values.ndim != 2 or takes_fp8_gemm(w):
+        return False
+    return w.values.dtype == jnp.float8_e4m3fn and 128 % w.block[1] == 0
+
+
 def _deepgemm_fp8(w, ndim: int) -> bool:
     if not isinstance(w, QArray) or w.is_fp4 or w.values.ndim != ndim or tuple(w.block) != (128, 128):
         return False
@@ -91,17 +108,26 @@ def linear(x: jax.Array, w: jax.Array, fp8: str | None = None) -> jax.Array:
 
     With `fp8` (an impl of `djax.kernels.fp8_gemm`) and a weight `takes_fp8_gemm` accepts, the product runs
     as DeepSeek's inference runs it: x quantized to e4m3 per row and 128 columns (dynamic 1x128 scales),
-    then the block-scaled FP8 GEMM, which reads the narrow weight as stored. Otherwise, and for fp8 None,
-    the weight is made dense in x's dtype first."""
-    if fp8 is not None and takes_fp8_gemm(w):
-        from djax.kernels import partition  # here: the kernel modules import Triton
+    then the block-scaled FP8 GEMM, which reads the narrow weight as stored. A weight `takes_fp8_weight_gemm`
+    accepts (V4.1's 32 x 32 blocks) is read as stored by `fp8_weight_gemm` for up to FP8_WEIGHT_MAX_ROWS
+    rows, x as it is: the dense path's product without the dense copy. Otherwise, and for fp8 None, the
+    weight is made dense in x's dtype first."""
+    if fp8 is None or not isinstance(w, QArray):
+        return jnp.einsum("...i,oi->...o", x, dense(w, x.dtype))
+    from djax.kernels import partition  # here: the kernel modules import Triton
+
+    rows = x.reshape(-1, x.shape[-1])
+    # partitioned by rows: under a batch-split mesh each device runs the GEMM on its own rows
+    if takes_fp8_gemm(w):
         from djax.kernels.fp8_gemm_ref import quantize_act
 
-        a, a_scale = quantize_act(x.reshape(-1, x.shape[-1]))
-        # partitioned by rows: under a batch-split mesh each device runs the GEMM on its own rows
+        a, a_scale = quantize_act(rows)
         y = partition.fp8_gemm(fp8)(a, a_scale, w.values, w.scale.astype(jnp.float32), x.dtype)
-        return y.reshape(*x.shape[:-1], y.shape[-1])
-    return jnp.einsum("...i,oi->...o", x, dense(w, x.dtype))
+    elif takes_fp8_weight_gemm(w) and rows.shape[0] <= FP8_WEIGHT_MAX_ROWS:
+        y = partition.fp8_weight_gemm(fp8)(rows, w.values, w.scale, w.block)
+    else:
+        return jnp.einsum("...i,oi->...o", x, dense(w, x.dtype))
+    return y.reshape(*x.shape[:-1], y.shape[-1])
 
 
 def top_k(x: jax.Array, k: int) -> tuple[jax.Array, jax.Array]:

@@ -2,6 +2,8 @@
 activations 1x128 and runs the block-scaled GEMM; the model does so in every chunk (decode steps and
 prefill) under kernels "ref" and "auto", and makes the weight dense under "off"."""
 
+import os
+
 import jax
 import jax.numpy as jnp
 import ml_dtypes
@@ -12,7 +14,7 @@ from djax.checkpoint import quantize_projections
 from djax.config import preset
 from djax.kernels import fp8_gemm as kfp8
 from djax.models import deepseek_v4 as v4
-from djax.models.layers import linear, takes_fp8_gemm
+from djax.models.layers import FP8_WEIGHT_MAX_ROWS, linear, takes_fp8_gemm, takes_fp8_weight_gemm
 from djax.params import flatten_names, init_params_host
 from djax.quant import QArray, quantize
 
@@ -49,19 +51,71 @@ def test_linear_fp8_ref_matches_numpy():
 
 
 @pytest.mark.parametrize(
-    "make",
+    "make, weight_only",
     [
-        lambda w: w.astype(jnp.bfloat16),  # a plain weight
-        lambda w: quantize(w, (32, 32)),  # V4.1's 32x32 blocks
-        lambda w: quantize(w[:192]),  # out not a multiple of 128
+        (lambda w: w.astype(jnp.bfloat16), False),  # a plain weight: dense
+        (lambda w: quantize(w, (32, 32)), True),  # V4.1's 32x32 blocks
+        (lambda w: quantize(w[:192]), True),  # out not a multiple of 128
+        (lambda w: quantize(w, (32, 48)), False),  # a block's input side not dividing 128: dense
     ],
-    ids=["plain", "blocks32", "out192"],
+    ids=["plain", "blocks32", "out192", "blocks32x48"],
 )
-def test_linear_fp8_falls_back_to_dense(make):
+def test_linear_takes_other_fp8_blocks_as_stored_or_makes_them_dense(make, weight_only, monkeypatch):
+    """FP8 weights `fp8_gemm` does not take: those `fp8_weight_gemm` reads go there (the activations not
+    quantized, so the dense path's result), others are made dense; either way the dense path's numbers."""
+    calls = []
+    real = kfp8.fp8_weight_gemm
+    monkeypatch.setattr(kfp8, "fp8_weight_gemm", lambda *a, **kw: calls.append(a[3]) or real(*a, **kw))
     x = jax.random.normal(jax.random.key(2), (4, 256), jnp.float32)
     w = make(jax.random.normal(jax.random.key(3), (256, 256), jnp.float32) * 0.05)
-    assert not takes_fp8_gemm(w)
-    np.testing.assert_array_equal(np.asarray(linear(x, w, fp8="ref")), np.asarray(linear(x, w)))
+    assert not takes_fp8_gemm(w) and takes_fp8_weight_gemm(w) == weight_only
+    got = np.asarray(linear(x, w, fp8="ref"))
+    assert calls == ([w.block] if weight_only else [])
+    np.testing.assert_allclose(got, np.asarray(linear(x, w)), rtol=1e-6, atol=1e-6)
+    many = jnp.ones((FP8_WEIGHT_MAX_ROWS + 1, 256), jnp.float32)  # prefill-sized: made dense
+    calls.clear()
+    linear(many, w, fp8="ref")
+    assert calls == []
+
+
+def _avals(jaxpr):
+    """Every value a jaxpr computes, inside the jaxprs its equations carry (custom_partitioning's call,
+    jit, scan) too."""
+    for e in jaxpr.eqns:
+        yield from (v.aval for v in e.outvars)
+        for p in e.params.values():
+            for sub in p if isinstance(p, (tuple, list)) else (p,):
+                if isinstance(sub, jax.extend.core.ClosedJaxpr):
+                    yield from _avals(sub.jaxpr)
+                elif isinstance(sub, jax.extend.core.Jaxpr):
+                    yield from _avals(sub)
+
+
+@pytest.mark.skipif(os.environ.get("TRITON_INTERPRET") != "1", reason="needs TRITON_INTERPRET=1")
+def test_linear_auto_on_cuda_reads_v41_blocks_as_stored(monkeypatch):
+    """`linear` as it runs on CUDA (fp8 "auto", the backend check answered yes, the kernel interpreted): a
+    32x32-block FP8 weight reaches the kernel as its codes (no [out, in] float weight in the computation)
+    and the result is the dense path's."""
+    from djax.kernels import dispatch
+
+    monkeypatch.setattr(dispatch, "on_cuda", lambda: True)
+    monkeypatch.setattr(dispatch, "has_triton", lambda: True)
+    real, use = kfp8.fp8_weight_gemm, ["interpret"]
+    monkeypatch.setattr(kfp8, "fp8_weight_gemm", lambda *a, impl, **kw: real(*a, impl=use[0], **kw))
+    x = jax.random.normal(jax.random.key(4), (3, 5, 256), jnp.float32)
+    w = quantize(jax.random.normal(jax.random.key(5), (384, 256), jnp.float32) * 0.05, (32, 32))
+
+    def dense_weights_made():
+        jaxpr = jax.make_jaxpr(lambda x, w: linear(x, w, fp8="auto"))(x, w).jaxpr
+        return [a for a in _avals(jaxpr) if a.shape == (384, 256) and jnp.issubdtype(a.dtype, jnp.floating)]
+
+    assert not dense_weights_made()
+    use[0] = "ref"  # the check sees inside the partitioning wrapper: the reference makes the dense weight
+    assert dense_weights_made()
+    use[0] = "interpret"
+    got = jax.jit(lambda x, w: linear(x, w, fp8="auto"))(x, w)
+    assert got.shape == (3, 5, 384)
+    np.testing.assert_allclose(np.asarray(got), np.asarray(linear(x, w)), rtol=1e-5, atol=1e-5)
 
 
 def _config():
@@ -107,6 +161,7 @@ _WEIGHT_AT = {
     "fp8_gemm": 2,
     "grouped_contiguous": 2,
     "grouped_swiglu_contiguous": 3,
+    "fp8_weight_gemm": 1,
 }  # op -> weight's position
 
 
@@ -218,6 +273,40 @@ def test_prefill_runs_fp8_weights_through_fp8_kernels(monkeypatch):
     np.testing.assert_allclose(
         np.asarray(alone)[0], out["ref"][1], rtol=2e-5, atol=2e-5 * np.abs(out["ref"]).max()
     )
+
+
+def test_v41_32x32_fp8_projections_read_as_stored_keep_the_dense_paths_logits(monkeypatch):
+    """V4.1 holds its projections in FP8 with 32 x 32 blocks, which `fp8_gemm` does not take: under
+    kernels="ref" a decode step and a prefill chunk read each of them (but the output LoRA's grouped first
+    half) through `fp8_weight_gemm`, the Engram layers' wkv included, and since the activations are not
+    quantized the logits are the dense path's ("off") up to the order of float32 sums."""
+    cfg = preset("tiny-v41").replace(num_nextn_predict_layers=0)
+    params = quantize_projections(init_params_host(cfg), cfg, block=(32, 32), experts=False)
+    flat = flatten_names(params)
+    assert not isinstance(flat["layers.1.engram.embed.weight"], QArray)  # a table: looked up, kept as is
+    shapes = sorted(
+        tuple(w.values.shape)
+        for name, w in flat.items()
+        if takes_fp8_weight_gemm(w) and not name.endswith("wo_a.weight")
+    )
+    assert len(shapes) >= 40
+    calls = _record_fp8_kernels(monkeypatch)
+    b, n = 2, 12
+    tokens = jax.random.randint(jax.random.key(8), (b, n), 0, cfg.vocab_size)
+    lengths = jnp.array([9, 5], jnp.int32)
+
+    def run(p, t, mode):
+        logits, state = v4.prefill(p, t[:, :9], lengths, cfg, n + 4, kernels=mode)
+        steps = [logits]
+        for j in range(2):
+            logits, state = v4.decode_step(p, t[:, 9 + j], state, cfg, kernels=mode)
+            steps.append(logits)
+        return jnp.stack(steps)
+
+    expected = {"fp8_weight_gemm": sorted(shapes * 3), "fp8_gemm": []}  # the prefill and two steps
+    out = _logits_off_and_ref(run, params, tokens, calls, expected)
+    err = np.abs(out["ref"] - out["off"]).max() / np.abs(out["off"]).max()
+    assert err <= 1e-5, err
 
 
 def _v3_config():
