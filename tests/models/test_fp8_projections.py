@@ -326,12 +326,9 @@ def _v3_config():
     )
 
 
-def test_v3_decode_runs_fp8_weights_through_fp8_kernels(monkeypatch):
-    """V3's decode step under kernels="ref": every FP8 projection in DeepGEMM's layout through fp8_gemm (wkv_b,
-    split per head, made dense) and each MoE layer's routed experts through the FP8 gate/up kernel and one FP8
-    grouped GEMM; "off" through neither; the logits near the dense path's."""
-    from djax.models import deepseek_v3 as v3
-
+def _v3_fp8_model():
+    """The FP8 tiny V3 and what one pass over its layers traces: {op: sorted weight shapes} (wkv_b, split per
+    head for the absorbed attention, made dense)."""
     cfg = _v3_config()
     params = quantize_projections(init_params_host(cfg), cfg)
     projections = sorted(
@@ -342,10 +339,21 @@ def test_v3_decode_runs_fp8_weights_through_fp8_kernels(monkeypatch):
     assert len(projections) >= 10 and (cfg.kv_lora_rank + cfg.qk_rope_head_dim, 256) in projections  # wkv_a
     e, d, f = cfg.n_routed_experts, cfg.hidden_size, cfg.moe_intermediate_size
     moe_layers = cfg.num_hidden_layers - cfg.first_k_dense_replace
-    experts = {
+    expected = {
+        "fp8_gemm": projections,
         "grouped_swiglu_contiguous": [(e, f, d)] * moe_layers,
         "grouped_contiguous": [(e, d, f)] * moe_layers,
     }
+    return cfg, params, expected
+
+
+def test_v3_decode_runs_fp8_weights_through_fp8_kernels(monkeypatch):
+    """V3's decode step under kernels="ref": every FP8 projection in DeepGEMM's layout through fp8_gemm (wkv_b,
+    split per head, made dense) and each MoE layer's routed experts through the FP8 gate/up kernel and one FP8
+    grouped GEMM; "off" through neither; the logits near the dense path's."""
+    from djax.models import deepseek_v3 as v3
+
+    cfg, params, expected = _v3_fp8_model()
     calls = _record_fp8_kernels(monkeypatch)
 
     b, n = 2, 16
@@ -358,7 +366,7 @@ def test_v3_decode_runs_fp8_weights_through_fp8_kernels(monkeypatch):
 
         return jax.lax.scan(step, v3.init_state(cfg, b, n + 4), t.T)[1]
 
-    out = _logits_off_and_ref(run, params, tokens, calls, {"fp8_gemm": projections, **experts})
+    out = _logits_off_and_ref(run, params, tokens, calls, expected)
     typical = _typical_error(out)  # the activations' e4m3 rounding, as in the V4 test (measured 0.043 here)
     assert 1e-4 < typical < 0.1, typical
     with pytest.raises(ValueError, match="kernels must be one of"):
@@ -370,20 +378,7 @@ def test_v3_prefill_runs_fp8_weights_through_fp8_kernels(monkeypatch):
     "off" none; the last tokens' logits near the dense path's."""
     from djax.models import deepseek_v3 as v3
 
-    cfg = _v3_config()
-    params = quantize_projections(init_params_host(cfg), cfg)
-    projections = sorted(
-        tuple(w.values.shape)
-        for name, w in flatten_names(params).items()
-        if takes_fp8_gemm(w) and not name.endswith("wkv_b.weight")
-    )
-    e, d, f = cfg.n_routed_experts, cfg.hidden_size, cfg.moe_intermediate_size
-    moe_layers = cfg.num_hidden_layers - cfg.first_k_dense_replace
-    expected = {
-        "fp8_gemm": projections,
-        "grouped_swiglu_contiguous": [(e, f, d)] * moe_layers,
-        "grouped_contiguous": [(e, d, f)] * moe_layers,
-    }
+    cfg, params, expected = _v3_fp8_model()
     calls = _record_fp8_kernels(monkeypatch)
     b, t = 4, 24
     tokens = jax.random.randint(jax.random.key(7), (b, t), 0, cfg.vocab_size)
