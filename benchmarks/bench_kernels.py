@@ -582,8 +582,37 @@ def fp8_linear_cases(record, small: bool, section="fp8_linear", block=(128, 128)
 
 def fp8_weight_cases(record, small: bool):
     """`fp8_linear_cases` for V4.1's 32 x 32-block FP8 projections, up to the rows `linear` reads them as
-    stored (FP8_WEIGHT_MAX_ROWS)."""
-    fp8_linear_cases(record, small, "fp8_weight", (32, 32), (1, 32, 128, 256))
+    stored (FP8_WEIGHT_MAX_ROWS); then the output LoRA's grouped half (wo_a: 8 groups of 1024 x 4096, V4.1's
+    and V4-Flash's alike) in 32 x 32 and 128 x 128 blocks through `grouped_linear`: made dense on use, all
+    groups in one `fp8_weight_gemm` call, and a bf16 weight."""
+    from djax.models.layers import grouped_linear
+    from djax.quant import QArray, quantize
+
+    batches = (1, 32, 128, 256) if not small else (4,)
+    fp8_linear_cases(record, small, "fp8_weight", (32, 32), batches)
+    g, o, i = (8, 1024, 4096) if not small else (2, 128, 256)
+    for block, m in [(b, m) for b in ((32, 32), (128, 128)) for m in batches]:
+        sets = []
+        for j in range(4):
+            w = quantize(jax.random.normal(jax.random.key(90 + j), (g * o, i), jnp.float32) * 0.02, block)
+            rows = jax.random.normal(jax.random.key(95 + j), (m, g, i), jnp.float32).astype(BF16)
+            sets.append((rows, w.values, w.scale, w.dense(BF16)))
+        scales = 4 * (g * o // block[0]) * (i // block[1])
+        flops, nbytes = 2 * m * g * o * i, g * o * i + scales + 2 * m * g * (o + i)
+        shape = f"wo_a m{m} g{g} o{o} i{i} b{block[0]}"
+
+        def run(fp8, block=block):
+            return lambda x, v, s, wb: grouped_linear(x, QArray(v, s, block), fp8)
+
+        t_dense = record("fp8_weight", shape, "dense on use (no kernels)", run(None), sets, flops, nbytes)
+        check = (run("ref"), lambda y: y)
+        record(
+            "fp8_weight", shape, "fp8_weight_gemm (auto)", run("auto"), sets, flops, nbytes, t_dense, check
+        )
+        bf16 = lambda x, v, s, wb: grouped_linear(x, wb)  # noqa: E731
+        record(
+            "fp8_weight", shape, "bf16 weight (2x the bytes)", bf16, sets, flops, nbytes + g * o * i, t_dense
+        )
 
 
 def plot(rows, path):

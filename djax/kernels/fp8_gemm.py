@@ -79,8 +79,9 @@ def fp8_gemm(
 
 def fp8_weight_gemm(a, b, b_scale, block, impl: str = "auto", cfg=None, decode: str | None = None):
     """a @ w^T for an FP8 weight read as stored: b's e4m3 codes [n, k] with one float32 scale per block[0] x
-    block[1] block (any block shape, e.g. V4.1's 32 x 32), a [m, k] not quantized; see
-    `fp8_gemm_ref.fp8_weight_gemm_ref`. Returns a's dtype [m, n].
+    block[1] block (any block shape, e.g. V4.1's 32 x 32), a [m, k] not quantized; or g independent products
+    in one launch (a [g, m, k], b [g, n, k], b_scale [g, ...]). See `fp8_gemm_ref.fp8_weight_gemm_ref`.
+    Returns a's dtype [m, n] (or [g, m, n]).
 
     impl "triton" (`fp8_weight_triton`; block[1] must divide the config's K step, 128 by default),
     "interpret" (that kernel in Triton's CPU interpreter, bf16 operands as float32 stand-ins), "ref", or
@@ -93,22 +94,27 @@ def fp8_weight_gemm(a, b, b_scale, block, impl: str = "auto", cfg=None, decode: 
     impl = resolve(impl, WEIGHT_IMPLS)
     if impl == "ref":
         return fp8_weight_gemm_ref(a, b, b_scale, block)
-    (m, k), n = a.shape, b.shape[0]
-    cfg = cfg or wk.weight_config(m, n, k)
+    plain = a.ndim == 2
+    if plain:
+        a, b, b_scale = a[None], b[None], b_scale[None]
+    g, m, k = a.shape
+    n = b.shape[1]
+    cfg = cfg or wk.weight_config(m, n, k, g)
     decode = decode or ("bits" if impl == "interpret" else "cast")
-    cx = wk.constexprs(m, n, k, block, decode, cfg)  # checks the config at trace time, before any callback
+    cx = wk.constexprs(m, n, k, block, decode, cfg, g)  # checks the config at trace time, before any callback
     splits = split_k(cfg)
-    out = jax.ShapeDtypeStruct((m, n), a.dtype)
+    out = jax.ShapeDtypeStruct((g, m, n), a.dtype)
     if splits > 1:  # each split writes an f32 partial, summed and cast after the kernel
-        out = jax.ShapeDtypeStruct((splits, m, n), jnp.float32)
+        out = jax.ShapeDtypeStruct((splits, g, m, n), jnp.float32)
     args = [a, jax.lax.bitcast_convert_type(b, jnp.uint8), b_scale.astype(jnp.float32)]
     if impl == "interpret":
         host = lambda *h: _host_weight(block, cfg, decode, out.dtype, *h)  # noqa: E731
         c = jax.pure_callback(host, out, *args)
     else:
         names = ["a_ptr", "b_ptr", "bs_ptr", "c_ptr"]
-        c = _launch(wk.fp8_weight_gemm_kernel, names, args, out, cx, cfg, wk.grid(m, n, cfg))
-    return c if splits == 1 else c.sum(0).astype(a.dtype)
+        c = _launch(wk.fp8_weight_gemm_kernel, names, args, out, cx, cfg, wk.grid(m, n, cfg, g))
+    c = c if splits == 1 else c.sum(0).astype(a.dtype)
+    return c[0] if plain else c
 
 
 def auto_takes_tilelang(a, b, out_dtype) -> bool:

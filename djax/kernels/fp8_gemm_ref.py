@@ -69,14 +69,15 @@ def fp8_gemm_ref(a, a_scale, b, b_scale, out_dtype=jnp.bfloat16):
 
 
 def fp8_weight_gemm_ref(a, b, b_scale, block: tuple[int, int]):
-    """out[m, n] = sum_k a[m, k] w[n, k] with the weight made dense as the model makes it (`QArray.dense`):
-    b's e4m3 codes [n, k] in float32 times the scale of their block[0] x block[1] block (b_scale f32
-    [ceil(n / block[0]), ceil(k / block[1])]), rounded to a's dtype. The activations stay as they are (no
-    quantization); products accumulate in float32. Returns a's dtype [m, n]."""
+    """out[..., m, n] = sum_k a[..., m, k] w[..., n, k] with the weight made dense as the model makes it
+    (`QArray.dense`): b's e4m3 codes [..., n, k] in float32 times the scale of their block[0] x block[1] block
+    (b_scale f32 [..., ceil(n / block[0]), ceil(k / block[1])]), rounded to a's dtype. The leading dim, if
+    any, indexes independent products (a [g, m, k] against b [g, n, k]). The activations stay as they are (no
+    quantization); products accumulate in float32. Returns a's dtype."""
     from djax.quant import QArray  # here: djax.quant is the model's; the kernels' other references need none
 
     w = QArray(b, b_scale.astype(F32), tuple(block)).dense(a.dtype)
-    return jnp.einsum("mk,nk->mn", a, w, preferred_element_type=F32).astype(a.dtype)
+    return jnp.einsum("...mk,...nk->...mn", a, w, preferred_element_type=F32).astype(a.dtype)
 
 
 def grouped_contiguous_ref(a, a_scale, b, b_scale, m_indices, out_dtype=jnp.bfloat16):

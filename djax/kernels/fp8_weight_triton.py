@@ -8,8 +8,9 @@ made in registers as `QArray.dense` makes it (code -> float32, times the scale, 
 goes into one tensor-core dot in a's dtype with a float32 accumulator: the dense path's result up to the
 order of the float32 sums, with the weights crossing memory at one byte a value instead of two.
 
-b: the e4m3 codes as their bytes, uint8 [N, K]; bs: float32 [ceil(N / BO), ceil(K / BI)], one scale per
-BO x BI block (a partial last block has its own). BI divides BLOCK_K, so a K step reads BLOCK_K / BI whole
+b: the e4m3 codes as their bytes, uint8 [G, N, K]; bs: float32 [G, ceil(N / BO), ceil(K / BI)], one scale per
+BO x BI block (a partial last block has its own); a [G, M, K]: G independent products (one for a plain
+projection, the output LoRA's groups for V4's grouped wo_a), the grid's third axis. BI divides BLOCK_K, so a K step reads BLOCK_K / BI whole
 scale blocks per weight row. Decoding: "cast" (Triton's fp8 conversion, what a GPU runs) or "bits" (from the
 bit fields in float32, as Triton's CPU interpreter runs it; the first's slow twin).
 
@@ -34,12 +35,13 @@ PREFILL_CFG = Fp8Config(block_m=128, block_n=128, block_k=128, num_warps=8, num_
 DECODE_CFG = Fp8Config(block_m=64, block_n=64, block_k=128, num_warps=4, num_stages=6)
 
 
-def weight_config(m: int, n: int, k: int) -> Fp8Config:
-    """The kernel's tiles when none are given, by `fp8_gemm_triton.dense_config`'s rule: PREFILL_CFG where
-    m > 64 and its tiles cover the 132 SMs, else DECODE_CFG with K split until about two programs a SM."""
-    if m > 64 and -(-m // 128) * -(-n // 128) >= H200_SMS:
+def weight_config(m: int, n: int, k: int, groups: int = 1) -> Fp8Config:
+    """The kernel's tiles when none are given, by `fp8_gemm_triton.dense_config`'s rule over all `groups`
+    products: PREFILL_CFG where m > 64 and its tiles cover the 132 SMs, else DECODE_CFG with K split until
+    about two programs a SM."""
+    if m > 64 and groups * -(-m // 128) * -(-n // 128) >= H200_SMS:
         return PREFILL_CFG
-    tiles = -(-m // DECODE_CFG.block_m) * -(-n // DECODE_CFG.block_n)
+    tiles = groups * -(-m // DECODE_CFG.block_m) * -(-n // DECODE_CFG.block_n)
     return replace(DECODE_CFG, split_k=fewest_splits(tiles, -(-k // DECODE_CFG.block_k)))
 
 
@@ -58,10 +60,11 @@ def _e4m3_to_f32(c):
 
 @triton.jit
 def fp8_weight_gemm_kernel(
-    a_ptr,  # [M, K] activations (bf16; float32 in the interpreter)
-    b_ptr,  # uint8 [N, K]: e4m3 codes
-    bs_ptr,  # f32 [NB, KB]: one scale per BO x BI block
-    c_ptr,  # [M, N] in a's dtype; SPLIT_K > 1: f32 [SPLIT_K, M, N]
+    a_ptr,  # [G, M, K] activations (bf16; float32 in the interpreter)
+    b_ptr,  # uint8 [G, N, K]: e4m3 codes
+    bs_ptr,  # f32 [G, NB, KB]: one scale per BO x BI block
+    c_ptr,  # [G, M, N] in a's dtype; SPLIT_K > 1: f32 [SPLIT_K, G, M, N]
+    G: tl.constexpr,
     M: tl.constexpr,
     N: tl.constexpr,
     K: tl.constexpr,
@@ -73,6 +76,7 @@ def fp8_weight_gemm_kernel(
     BLOCK_K: tl.constexpr,
     SPLIT_K: tl.constexpr,
 ):
+    NB: tl.constexpr = (N + BO - 1) // BO
     KB: tl.constexpr = (K + BI - 1) // BI
     SB: tl.constexpr = BLOCK_K // BI  # scale blocks a K step spans
     STEPS: tl.constexpr = (K + BLOCK_K - 1) // BLOCK_K
@@ -81,8 +85,12 @@ def fp8_weight_gemm_kernel(
     PER: tl.constexpr = (STEPS + SPLIT_K - 1) // SPLIT_K
     pid_m, pid_n = program_tile(N, BLOCK_N)
     pid_k = tl.program_id(1)
+    g = tl.program_id(2).to(tl.int64)
     step0 = pid_k * PER
-    c_ptr += pid_k.to(tl.int64) * M * N
+    a_ptr += g * M * K
+    b_ptr += g * N * K
+    bs_ptr += g * NB * KB
+    c_ptr += (pid_k.to(tl.int64) * G + g) * M * N
     rm = pid_m * BLOCK_M + tl.arange(0, BLOCK_M)
     rn = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
     rk = tl.arange(0, BLOCK_K)
@@ -116,7 +124,9 @@ def fp8_weight_gemm_kernel(
     )
 
 
-def constexprs(m: int, n: int, k: int, block: tuple[int, int], decode: str, cfg: Fp8Config) -> dict:
+def constexprs(
+    m: int, n: int, k: int, block: tuple[int, int], decode: str, cfg: Fp8Config, groups: int = 1
+) -> dict:
     """Compile-time constants of one shape; checks the config and the scale block against each other."""
     bo, bi = block
     if decode not in DECODES:
@@ -128,6 +138,7 @@ def constexprs(m: int, n: int, k: int, block: tuple[int, int], decode: str, cfg:
     if split_k(cfg) < 1:
         raise ValueError(f"split_k {split_k(cfg)} must be >= 1")
     return dict(
+        G=groups,
         M=m,
         N=n,
         K=k,
@@ -141,26 +152,26 @@ def constexprs(m: int, n: int, k: int, block: tuple[int, int], decode: str, cfg:
     )
 
 
-def grid(m: int, n: int, cfg: Fp8Config) -> tuple[int, int]:
-    """(output tiles, K splits)."""
-    return triton.cdiv(m, cfg.block_m) * triton.cdiv(n, cfg.block_n), split_k(cfg)
+def grid(m: int, n: int, cfg: Fp8Config, groups: int = 1) -> tuple[int, int, int]:
+    """(output tiles, K splits, groups)."""
+    return triton.cdiv(m, cfg.block_m) * triton.cdiv(n, cfg.block_n), split_k(cfg), groups
 
 
 def launch_torch(a, codes, scale, block: tuple[int, int], cfg: Fp8Config, decode: str = "bits"):
-    """Runs the kernel on torch tensors (GPU, or CPU under TRITON_INTERPRET=1): a [m, K], codes uint8 [N, K],
-    scale float32 [ceil(N / BO), ceil(K / BI)]. Returns [m, N] in a's dtype, or with split_k(cfg) > 1 the f32
-    partials [split_k, m, N] to be summed over the first axis."""
+    """Runs the kernel on torch tensors (GPU, or CPU under TRITON_INTERPRET=1): a [G, m, K], codes uint8
+    [G, N, K], scale float32 [G, ceil(N / BO), ceil(K / BI)]. Returns [G, m, N] in a's dtype, or with
+    split_k(cfg) > 1 the f32 partials [split_k, G, m, N] to be summed over the first axis."""
     import torch
 
-    m, k = a.shape
-    n = codes.shape[0]
-    cx = constexprs(m, n, k, block, decode, cfg)
-    shape, dtype = (m, n), a.dtype
+    groups, m, k = a.shape
+    n = codes.shape[1]
+    cx = constexprs(m, n, k, block, decode, cfg, groups)
+    shape, dtype = (groups, m, n), a.dtype
     if split_k(cfg) > 1:
-        shape, dtype = (split_k(cfg), m, n), torch.float32
+        shape, dtype = (split_k(cfg), groups, m, n), torch.float32
     c = torch.full(shape, float("nan"), dtype=dtype, device=a.device)
     opts = dict(num_warps=cfg.num_warps, num_stages=cfg.num_stages)
-    fp8_weight_gemm_kernel[grid(m, n, cfg)](
+    fp8_weight_gemm_kernel[grid(m, n, cfg, groups)](
         a.contiguous(), codes.contiguous(), scale.contiguous(), c, **cx, **opts
     )
     return c

@@ -123,3 +123,17 @@ def fp8_weight_gemm(impl: str):
         return _fp8.fp8_weight_gemm(a, b, b_scale, block, impl=impl)
 
     return batch_sharded(fn, "m k, n k, i j -> m n", (True, False, False), static_argnums=(3,))
+
+
+@functools.cache
+def fp8_weight_gemm_grouped(impl: str):
+    """fp8_weight_gemm over groups, batch first: a [m, g, k] (rows split), b [g, n, k], b_scale [g, nb, kb]
+    -> [m, g, n]; the transposes to the op's group-first layout happen on each device's rows."""
+
+    def fn(a, b, b_scale, block):
+        from djax.kernels import fp8_gemm as _fp8
+
+        out = _fp8.fp8_weight_gemm(a.transpose(1, 0, 2), b, b_scale, block, impl=impl)
+        return out.transpose(1, 0, 2)
+
+    return batch_sharded(fn, "m g k, g n k, g i j -> m g n", (True, False, False), static_argnums=(3,))

@@ -28,14 +28,17 @@ def fp8_dense(a, a_scale, b, b_scale) -> None:
 
 
 def fp8_weight(a, b, b_scale, block) -> None:
-    """a [m, k]; b [n, k] e4m3 codes; block two positive ints; b_scale [ceil(n / block[0]), ceil(k / block[1])]."""
+    """a [m, k], b [n, k] e4m3 codes, b_scale [ceil(n / block[0]), ceil(k / block[1])], block two positive
+    ints; or each with a leading group dim g (a [g, m, k], b [g, n, k], b_scale [g, ...])."""
     op = "fp8_weight_gemm"
     if len(block) != 2 or not all(isinstance(x, int) and x > 0 for x in block):
         raise ValueError(f"{op}: block must be two positive ints, got {block!r}")
-    expect(op, "a", a, (None, None))
-    k = a.shape[1]
-    expect(op, "b", b, (None, k))
-    expect(op, "b_scale", b_scale, (-(-b.shape[0] // block[0]), -(-k // block[1])))
+    if a.ndim not in (2, 3):
+        raise ValueError(f"{op}: a must be [m, k] or [groups, m, k], got shape {list(a.shape)}")
+    lead = tuple(a.shape[:-2])
+    k = a.shape[-1]
+    expect(op, "b", b, (*lead, None, k))
+    expect(op, "b_scale", b_scale, (*lead, -(-b.shape[-2] // block[0]), -(-k // block[1])))
     if b.dtype != jnp.float8_e4m3fn:
         raise ValueError(f"{op}: b must hold float8_e4m3fn codes, got {b.dtype}")
 

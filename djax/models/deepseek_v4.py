@@ -23,6 +23,7 @@ from djax.models.layers import (
     apply_rope_interleaved,
     decode_impl,
     fp8_impl,
+    grouped_linear,
     linear,
     rms_norm,
     rope_cos_sin,
@@ -403,10 +404,8 @@ def _q_kv(p: dict, x: jax.Array, pos: jax.Array, cfg: ModelConfig, inv_freq, fp8
 def _output(p: dict, o: jax.Array, pos: jax.Array, cfg: ModelConfig, inv_freq, fp8=None) -> jax.Array:
     """De-rotate the output's rope slice at the query position, then the grouped output LoRA."""
     o = _rotate(o, pos, inv_freq, heads=True, inverse=True)
-    g = cfg.o_groups
-    grouped = o.reshape(*o.shape[:-2], g, -1)  # [..., g, h k / g]
-    wa = dense(p["wo_a"]["weight"], o.dtype).reshape(g, cfg.o_lora_rank, -1)
-    y = jnp.einsum("...gi,goi->...go", grouped, wa)
+    grouped = o.reshape(*o.shape[:-2], cfg.o_groups, -1)  # [..., g, h k / g]
+    y = grouped_linear(grouped, p["wo_a"]["weight"], fp8)  # [..., g, o_lora]
     return linear(y.reshape(*y.shape[:-2], -1), p["wo_b"]["weight"], fp8)
 
 

@@ -88,12 +88,18 @@ def takes_fp8_grouped(w) -> bool:
 FP8_WEIGHT_MAX_ROWS = 256
 
 
-def takes_fp8_weight_gemm(w) -> bool:
-    """Whether w is an FP8 weight that `takes_fp8_gemm` refuses but `fp8_weight_gemm` reads as stored: an e4m3
-    QArray [out, in] whose scale blocks' input side divides 128 (V4.1's 32 x 32 blocks)."""
-    if not isinstance(w, QArray) or w.is_fp4 or w.values.ndim != 2 or takes_fp8_gemm(w):
+def fp8_weight_readable(w) -> bool:
+    """Whether `fp8_weight_gemm` can read w as stored: an e4m3 QArray [out, in] whose scale blocks' input side
+    divides 128 (DeepGEMM's 128 x 128 blocks and V4.1's 32 x 32 alike)."""
+    if not isinstance(w, QArray) or w.is_fp4 or w.values.ndim != 2:
         return False
     return w.values.dtype == jnp.float8_e4m3fn and 128 % w.block[1] == 0
+
+
+def takes_fp8_weight_gemm(w) -> bool:
+    """Whether `linear` reads w with `fp8_weight_gemm`: readable by it (`fp8_weight_readable`) and not in
+    DeepGEMM's layout, which `fp8_gemm` takes (V4.1's 32 x 32 blocks, a dim not a multiple of 128)."""
+    return fp8_weight_readable(w) and not takes_fp8_gemm(w)
 
 
 def _deepgemm_fp8(w, ndim: int) -> bool:
@@ -128,6 +134,26 @@ def linear(x: jax.Array, w: jax.Array, fp8: str | None = None) -> jax.Array:
     else:
         return jnp.einsum("...i,oi->...o", x, dense(w, x.dtype))
     return y.reshape(*x.shape[:-1], y.shape[-1])
+
+
+def grouped_linear(x: jax.Array, w, fp8: str | None = None) -> jax.Array:
+    """Each group's own projection: x [..., g, i] and w [g * o, i] (torch layout, group j's rows j * o ..)
+    give y [..., g, o] with y[..., j, :] = x[..., j, :] @ w[j * o:(j + 1) * o].T (V4's output LoRA, wo_a).
+
+    With `fp8` and an FP8 weight `fp8_weight_readable` accepts whose scale blocks do not straddle groups, up
+    to FP8_WEIGHT_MAX_ROWS rows of x are multiplied by `fp8_weight_gemm`, all groups in one launch, reading
+    the weight as stored and x as it is (the dense path's numbers). Otherwise the weight is made dense."""
+    g = x.shape[-2]
+    o = w.shape[0] // g
+    rows = x.reshape(-1, g, x.shape[-1])
+    fits = fp8 is not None and fp8_weight_readable(w) and o % w.block[0] == 0
+    if not fits or rows.shape[0] > FP8_WEIGHT_MAX_ROWS:
+        return jnp.einsum("...gi,goi->...go", x, dense(w, x.dtype).reshape(g, o, -1))
+    from djax.kernels import partition  # here: the kernel modules import Triton
+
+    values, scale = w.values.reshape(g, o, -1), w.scale.reshape(g, o // w.block[0], -1)
+    y = partition.fp8_weight_gemm_grouped(fp8)(rows, values, scale, w.block)  # [m, g, o]
+    return y.reshape(*x.shape[:-1], o)
 
 
 def top_k(x: jax.Array, k: int) -> tuple[jax.Array, jax.Array]:

@@ -114,6 +114,33 @@ def test_kernel_decodes_every_e4m3_code():
         assert np.isnan(got[:, [3, 7]]).all() and not np.isnan(np.delete(got, [3, 7], 1)).any(), impl
 
 
+def test_grouped_reference_is_each_groups_product():
+    rng = np.random.default_rng(9)
+    a = jnp.asarray(rng.standard_normal((3, 5, 96)), jnp.float32)
+    ws = [_weight(rng, 64, 96, (32, 32)) for _ in range(3)]
+    values = jnp.stack([w.values for w in ws])
+    scale = jnp.stack([w.scale for w in ws])
+    got = np.asarray(fp8_weight_gemm(a, values, scale, (32, 32), impl="ref"), np.float64)
+    for j, w in enumerate(ws):
+        want = _numpy(a[j], w)
+        assert np.abs(got[j] - want).max() <= 1e-5 * np.abs(want).max(), j
+
+
+@needs_triton_interp
+@pytest.mark.parametrize("cfg", [SMALL, Fp8Config(16, 32, 64, 4, 1, split_k=2)])
+def test_grouped_kernel_matches_reference(cfg):
+    """Three products in one launch (the grid's third axis), partial tiles and scale blocks, split or not."""
+    rng = np.random.default_rng(10)
+    a = jnp.asarray(rng.standard_normal((3, 20, 130)), jnp.float32)
+    ws = [_weight(rng, 70, 130, (32, 32)) for _ in range(3)]
+    values = jnp.stack([w.values for w in ws])
+    scale = jnp.stack([w.scale for w in ws])
+    want = fp8_weight_gemm(a, values, scale, (32, 32), impl="ref")
+    got = fp8_weight_gemm(a, values, scale, (32, 32), impl="interpret", cfg=cfg)
+    assert got.shape == (3, 20, 70)
+    assert_close(got, want, 1e-6)
+
+
 def test_refusals_name_the_problem():
     rng = np.random.default_rng(0)
     a = jnp.asarray(rng.standard_normal((4, 128)), jnp.float32)
@@ -122,6 +149,10 @@ def test_refusals_name_the_problem():
         fp8_weight_gemm(a, w.values, w.scale, (32, 64), impl="ref")
     with pytest.raises(ValueError, match=r"fp8_weight_gemm: b has shape \[64, 128\], expected \[\*, 96\]"):
         fp8_weight_gemm(a[:, :96], w.values, w.scale, w.block, impl="ref")
+    with pytest.raises(ValueError, match=r"b has shape \[64, 128\], expected \[2, \*, 128\]"):
+        fp8_weight_gemm(jnp.stack([a, a]), w.values, w.scale, w.block, impl="ref")
+    with pytest.raises(ValueError, match=r"a must be \[m, k\] or \[groups, m, k\], got shape \[128\]"):
+        fp8_weight_gemm(a[0], w.values, w.scale, w.block, impl="ref")
     with pytest.raises(ValueError, match="block must be two positive ints"):
         fp8_weight_gemm(a, w.values, w.scale, (32, 0), impl="ref")
     with pytest.raises(ValueError, match="b must hold float8_e4m3fn codes, got bfloat16"):
@@ -137,20 +168,31 @@ def test_refusals_name_the_problem():
 
 def test_weight_config_splits_k_at_decode_and_not_at_prefill():
     """A 1024 x 5120 projection (V4.1's hidden size in): 16 tiles of 64 x 64 at one row, split 8 ways (40 K
-    steps); at 4,096 rows 128 x 128 tiles, 256 of them, unsplit."""
+    steps); at 4,096 rows 128 x 128 tiles, 256 of them, unsplit. V4.1's output LoRA (8 groups of 1024 x
+    4096) at one row: 128 tiles over the groups, split 2 ways."""
     assert weight_config(1, 1024, 5120) == replace(DECODE_CFG, split_k=8)
     assert weight_config(4096, 1024, 5120) == PREFILL_CFG
+    assert weight_config(1, 1024, 4096, groups=8) == replace(DECODE_CFG, split_k=2)
 
 
-@pytest.mark.parametrize("cfg", [DECODE_CFG, PREFILL_CFG], ids=["decode", "prefill"])
-def test_kernel_compiles_to_sm90_cubin_at_v41_shapes(cfg):
-    """The kernel with the fp8 conversion a GPU runs ("cast"), bf16 activations and V4.1's 32 x 32 blocks
-    (a 1024 x 5120 projection) compiles for sm_90 within its shared memory (no GPU needed)."""
+@pytest.mark.parametrize(
+    "cfg, groups, n, k",
+    [
+        (DECODE_CFG, 1, 1024, 5120),
+        (PREFILL_CFG, 1, 1024, 5120),
+        (replace(DECODE_CFG, split_k=2), 8, 1024, 4096),
+    ],
+    ids=["decode", "prefill", "wo_a"],
+)
+def test_kernel_compiles_to_sm90_cubin_at_v41_shapes(cfg, groups, n, k):
+    """The kernel with the fp8 conversion a GPU runs ("cast"), bf16 activations and V4.1's 32 x 32 blocks (a
+    1024 x 5120 projection; the output LoRA's 8 groups of 1024 x 4096) compiles for sm_90 within its shared
+    memory (no GPU needed)."""
     pytest.importorskip("triton")
     from djax.ffi.cubin import MAX_SHARED_BYTES, compile_triton
     from djax.kernels import fp8_weight_triton as wk
 
-    cx = wk.constexprs(64, 1024, 5120, (32, 32), "cast", cfg)
+    cx = wk.constexprs(64, n, k, (32, 32), "cast", cfg, groups)
     names = ["a_ptr", "b_ptr", "bs_ptr", "c_ptr"]
     out = jnp.float32 if cfg.split_k > 1 else jnp.bfloat16
     dtypes = [jnp.bfloat16, jnp.uint8, jnp.float32, out]
@@ -180,4 +222,18 @@ def test_triton_on_the_gpu_matches_reference(m, decode):
     want = fp8_weight_gemm(a, w.values, w.scale, w.block, impl="ref")
     got = fp8_weight_gemm(a, w.values, w.scale, w.block, impl="triton", decode=decode)
     assert got.dtype == jnp.bfloat16 and got.shape == (m, 1024)
+    assert_close(got.astype(jnp.float32), want.astype(jnp.float32), 2**-8)
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("block", [(32, 32), (128, 128)])
+def test_grouped_triton_on_the_gpu_matches_reference(block):
+    """The output LoRA's shape (8 groups of 1024 x 4096) at 37 rows in one launch, bf16, as above."""
+    rng = np.random.default_rng(11)
+    a = jnp.asarray(rng.standard_normal((8, 37, 4096)), jnp.bfloat16)
+    ws = [_weight(rng, 1024, 4096, block) for _ in range(8)]
+    values, scale = jnp.stack([w.values for w in ws]), jnp.stack([w.scale for w in ws])
+    want = fp8_weight_gemm(a, values, scale, block, impl="ref")
+    got = fp8_weight_gemm(a, values, scale, block, impl="triton")
+    assert got.dtype == jnp.bfloat16 and got.shape == (8, 37, 1024)
     assert_close(got.astype(jnp.float32), want.astype(jnp.float32), 2**-8)

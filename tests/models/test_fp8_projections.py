@@ -14,7 +14,13 @@ from djax.checkpoint import quantize_projections
 from djax.config import preset
 from djax.kernels import fp8_gemm as kfp8
 from djax.models import deepseek_v4 as v4
-from djax.models.layers import FP8_WEIGHT_MAX_ROWS, linear, takes_fp8_gemm, takes_fp8_weight_gemm
+from djax.models.layers import (
+    FP8_WEIGHT_MAX_ROWS,
+    grouped_linear,
+    linear,
+    takes_fp8_gemm,
+    takes_fp8_weight_gemm,
+)
 from djax.params import flatten_names, init_params_host
 from djax.quant import QArray, quantize
 
@@ -75,6 +81,32 @@ def test_linear_takes_other_fp8_blocks_as_stored_or_makes_them_dense(make, weigh
     many = jnp.ones((FP8_WEIGHT_MAX_ROWS + 1, 256), jnp.float32)  # prefill-sized: made dense
     calls.clear()
     linear(many, w, fp8="ref")
+    assert calls == []
+
+
+@pytest.mark.parametrize(
+    "block, o, read",
+    [((32, 32), 64, True), ((128, 128), 128, True), ((32, 32), 48, False)],
+    ids=["blocks32", "blocks128", "block_rows_straddle_groups"],
+)
+def test_grouped_linear_reads_fp8_groups_in_one_call_or_makes_them_dense(block, o, read, monkeypatch):
+    """The output LoRA's grouped product: with an FP8 weight whose scale blocks fall inside groups, one
+    `fp8_weight_gemm` call over [groups, o, in] (the activations not quantized: the dense path's numbers);
+    blocks straddling groups (o 48 over 32-row blocks) and more than FP8_WEIGHT_MAX_ROWS rows: made dense."""
+    calls = []
+    real = kfp8.fp8_weight_gemm
+    monkeypatch.setattr(kfp8, "fp8_weight_gemm", lambda *a, **kw: calls.append(a[1].shape) or real(*a, **kw))
+    g, i = 3, 256
+    x = jax.random.normal(jax.random.key(6), (2, 5, g, i), jnp.float32)
+    w = quantize(jax.random.normal(jax.random.key(7), (g * o, i), jnp.float32) * 0.05, block)
+    got = grouped_linear(x, w, fp8="ref")
+    assert calls == ([(g, o, i)] if read else [])
+    want = jnp.einsum("...gi,goi->...go", x, w.dense(jnp.float32).reshape(g, o, i))
+    assert got.shape == (2, 5, g, o)
+    np.testing.assert_allclose(np.asarray(got), np.asarray(want), rtol=1e-5, atol=1e-5)
+    np.testing.assert_array_equal(np.asarray(grouped_linear(x, w)), np.asarray(want))  # fp8 None: dense
+    calls.clear()
+    grouped_linear(jnp.ones((FP8_WEIGHT_MAX_ROWS + 1, g, i)), w, fp8="ref")
     assert calls == []
 
 
@@ -277,19 +309,22 @@ def test_prefill_runs_fp8_weights_through_fp8_kernels(monkeypatch):
 
 def test_v41_32x32_fp8_projections_read_as_stored_keep_the_dense_paths_logits(monkeypatch):
     """V4.1 holds its projections in FP8 with 32 x 32 blocks, which `fp8_gemm` does not take: under
-    kernels="ref" a decode step and a prefill chunk read each of them (but the output LoRA's grouped first
-    half) through `fp8_weight_gemm`, the Engram layers' wkv included, and since the activations are not
-    quantized the logits are the dense path's ("off") up to the order of float32 sums."""
-    cfg = preset("tiny-v41").replace(num_nextn_predict_layers=0)
+    kernels="ref" a decode step and a prefill chunk read each of them through `fp8_weight_gemm`, the Engram
+    layers' wkv and the output LoRA's grouped half (all groups in one call) included, and since the
+    activations are not quantized the logits are the dense path's ("off") up to the order of float32 sums."""
+    cfg = preset("tiny-v41").replace(
+        num_nextn_predict_layers=0, o_lora_rank=32
+    )  # whole 32-row blocks a group
     params = quantize_projections(init_params_host(cfg), cfg, block=(32, 32), experts=False)
     flat = flatten_names(params)
     assert not isinstance(flat["layers.1.engram.embed.weight"], QArray)  # a table: looked up, kept as is
+    g = cfg.o_groups
     shapes = sorted(
-        tuple(w.values.shape)
+        tuple(w.values.shape) if not name.endswith("wo_a.weight") else (g, w.shape[0] // g, w.shape[1])
         for name, w in flat.items()
-        if takes_fp8_weight_gemm(w) and not name.endswith("wo_a.weight")
+        if takes_fp8_weight_gemm(w)
     )
-    assert len(shapes) >= 40
+    assert len(shapes) >= 40 and (g, 32, cfg.num_attention_heads * cfg.head_dim // g) in shapes
     calls = _record_fp8_kernels(monkeypatch)
     b, n = 2, 12
     tokens = jax.random.randint(jax.random.key(8), (b, n), 0, cfg.vocab_size)
