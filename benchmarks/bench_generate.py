@@ -36,6 +36,7 @@ Debug (CPU): python benchmarks/bench_generate.py --tiny --out /tmp/bench
 from __future__ import annotations
 
 import argparse
+import contextlib
 import datetime
 import gc
 import json
@@ -139,8 +140,10 @@ def decode_without_kernels(cfg: djax.ModelConfig, b: int):
 def dense_on_use(params):
     """The quantized weights the kernels read as stored, in a form they do not read, which the model then
     makes dense on use: the same weights. FP8 (projections, stacked experts that `fp8_gemm` and the FP8
-    grouped GEMM take): each 128 x 128 scale repeated over four 64 x 64 blocks (the FP8 kernels take 128 x 128
-    blocks only). FP4 experts: their UE8M0 scales as float32 (the grouped GEMMs read UE8M0 bytes only)."""
+    grouped GEMM take): each 128 x 128 scale repeated over four 64 x 64 blocks (`fp8_gemm` and the FP8 grouped
+    GEMMs take 128 x 128 blocks only; `fp8_weight_gemm` would read these, so programs on them are traced
+    under `no_fp8_weight_reads`). FP4 experts: their UE8M0 scales as float32 (the grouped GEMMs read UE8M0
+    bytes only)."""
     from djax.models.layers import takes_fp8_gemm, takes_fp8_grouped
     from djax.quant import QArray, is_ue8m0_fp4
 
@@ -152,6 +155,21 @@ def dense_on_use(params):
         return QArray(w.values, jnp.repeat(jnp.repeat(w.scale, 2, -2), 2, -1), (64, 64))
 
     return jax.tree.map(one, params, is_leaf=lambda x: isinstance(x, QArray))
+
+
+@contextlib.contextmanager
+def no_fp8_weight_reads():
+    """While tracing inside it, `fp8_weight_gemm` reads no weight (its row limit 0): with `dense_on_use`'s
+    64 x 64 re-blocking, which `fp8_gemm` and the FP8 grouped GEMMs refuse, every quantized weight is made
+    dense on use. A module setting read at trace time: trace only while nothing else traces."""
+    from djax.models import layers
+
+    saved = layers.FP8_WEIGHT_MAX_ROWS
+    layers.FP8_WEIGHT_MAX_ROWS = 0
+    try:
+        yield
+    finally:
+        layers.FP8_WEIGHT_MAX_ROWS = saved
 
 
 def fp4_experts(params, key):
@@ -186,9 +204,11 @@ class Compiler:
         self.lock = threading.Lock()
 
     def submit(self, name: str, fn, *args):
+        """fn a jitted function lowered here for args, or a `jax.stages.Lowered` (no args) to compile."""
+
         def job():
             t = time.perf_counter()
-            out = fn.lower(*args).compile()
+            out = (fn if isinstance(fn, jax.stages.Lowered) else fn.lower(*args)).compile()
             info = {"compile_s": round(time.perf_counter() - t, 2)}
             try:
                 m = out.memory_analysis()
@@ -896,6 +916,20 @@ def main() -> int:
         aparams = jax.eval_shape(lambda p: djax.quantize_projections(p, cfg), aparams)
     if args.fp4_experts:
         aparams = jax.eval_shape(lambda p: fp4_experts(p, jax.random.key(1)), aparams)
+    if not quantized:
+        parts -= {"decode_dequant", "prefill_dequant"}
+    # The programs with the quantized weights made dense on use are traced first, before any other tracing
+    # starts (`no_fp8_weight_reads`), and compiled with the rest.
+    dequant = {}
+    with no_fp8_weight_reads():
+        dense_params = jax.eval_shape(dense_on_use, aparams)
+        for b in w["decode_batches"] if "decode_dequant" in parts else []:
+            st = jax.eval_shape(lambda b=b: djax.init_state(cfg, b, w["max_len"]))
+            dequant[f"decode_dequant_{b}"] = djax.decode.lower(dense_params, sds((b,)), st, cfg)
+        for b, t in w["prefill"] if "prefill_dequant" in parts else []:
+            dequant[f"prefill_dequant_{b}x{t}"] = djax.prefill.lower(
+                dense_params, sds((b, t)), sds((b,)), cfg, prefill_max_len(w, t)
+            )
     if "check" in parts:
         comp.submit("forward", djax.forward, aparams, sds((1, w["check_len"])), cfg)
     for b in w["decode_batches"] if "decode" in parts else []:
@@ -904,30 +938,18 @@ def main() -> int:
     for b in w["decode_batches"] if "decode_xla" in parts else []:
         st = jax.eval_shape(lambda b=b: djax.init_state(cfg, b, w["max_len"]))
         comp.submit(f"decode_xla_{b}", decode_without_kernels(cfg, b), aparams, sds((b,)), st)
-    if not quantized:
-        parts -= {"decode_dequant", "prefill_dequant"}
-    for b in w["decode_batches"] if "decode_dequant" in parts else []:
-        st = jax.eval_shape(lambda b=b: djax.init_state(cfg, b, w["max_len"]))
-        comp.submit(
-            f"decode_dequant_{b}", djax.decode, jax.eval_shape(dense_on_use, aparams), sds((b,)), st, cfg
-        )
+    for name, lowered in dequant.items():
+        if name.startswith("decode"):
+            comp.submit(name, lowered)
 
     def submit_big():
         for b, t in w["prefill"] if "prefill" in parts else []:
             comp.submit(
                 f"prefill_{b}x{t}", djax.prefill, aparams, sds((b, t)), sds((b,)), cfg, prefill_max_len(w, t)
             )
-        dense_params = jax.eval_shape(dense_on_use, aparams)
-        for b, t in w["prefill"] if "prefill_dequant" in parts else []:
-            comp.submit(
-                f"prefill_dequant_{b}x{t}",
-                djax.prefill,
-                dense_params,
-                sds((b, t)),
-                sds((b,)),
-                cfg,
-                prefill_max_len(w, t),
-            )
+        for name, lowered in dequant.items():
+            if name.startswith("prefill"):
+                comp.submit(name, lowered)
         if "generate" not in parts:
             return
         gb, gn = w["generate"]
