@@ -12,6 +12,7 @@ the copy bandwidth measured at the start of the same run.
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import datetime
 import functools
 import json
@@ -585,11 +586,41 @@ def fp8_weight_cases(record, small: bool):
     stored (FP8_WEIGHT_MAX_ROWS); then the output LoRA's grouped half (wo_a: 8 groups of 1024 x 4096, V4.1's
     and V4-Flash's alike) in 32 x 32 and 128 x 128 blocks through `grouped_linear`: made dense on use, all
     groups in one `fp8_weight_gemm` call, and a bf16 weight."""
+    from djax.kernels.fp8_gemm import fp8_weight_gemm
+    from djax.kernels.fp8_weight_triton import weight_config
     from djax.models.layers import grouped_linear
     from djax.quant import QArray, quantize
 
     batches = (1, 32, 128, 256) if not small else (4,)
     fp8_linear_cases(record, small, "fp8_weight", (32, 32), batches)
+    # other tiles for the decode sizes, by the op itself: the FP8 GEMM's 6 stages (one program an SM) and
+    # 16-row tiles (mma.sync, a quarter of a's shared memory)
+    shapes, ms = (FP8_WEIGHT_SHAPES[:2], (1, 32)) if not small else ([(256, 256)], (4,))
+    for (n, k), m in [(s, m) for s in shapes for m in ms]:
+        w = quantize(jax.random.normal(jax.random.key(99), (n, k), jnp.float32) * 0.02, (32, 32))
+        sets = [
+            (jax.random.normal(jax.random.key(60 + j), (m, k), jnp.float32).astype(BF16),) for j in range(4)
+        ]
+        flops, nbytes = 2 * m * n * k, n * k + 4 * (n // 32) * (k // 32) + 2 * m * (n + k)
+        base = weight_config(m, n, k)
+        for name, cfg in (
+            ("default (auto's tiles)", base),
+            ("6 stages", dataclasses.replace(base, num_stages=6)),
+            ("16-row tiles, 6 stages", dataclasses.replace(base, block_m=16, num_stages=6)),
+        ):
+            op = lambda x, cfg=cfg, w=w: fp8_weight_gemm(x, w.values, w.scale, (32, 32), cfg=cfg)  # noqa: E731
+            ref = lambda x, w=w: fp8_weight_gemm(x, w.values, w.scale, (32, 32), impl="ref")  # noqa: E731
+            record(
+                "fp8_weight",
+                f"m{m} n{n} k{k}",
+                f"op: {name}",
+                op,
+                sets,
+                flops,
+                nbytes,
+                None,
+                (ref, lambda y: y),
+            )
     g, o, i = (8, 1024, 4096) if not small else (2, 128, 256)
     for block, m in [(b, m) for b in ((32, 32), (128, 128)) for m in batches]:
         sets = []

@@ -31,8 +31,11 @@ from djax.kernels.fp8_gemm_triton import Fp8Config, fewest_splits, program_tile,
 DECODES = ("cast", "bits")
 # Prefill-sized: 128 x 128 tiles, as the bf16 and FP8 GEMMs' defaults (a stage: 32 KB of bf16 a, 16 KB of codes).
 PREFILL_CFG = Fp8Config(block_m=128, block_n=128, block_k=128, num_warps=8, num_stages=3)
-# Decode-sized: the FP8 GEMM's 64 x 64 tiles with K split for the SM count (a stage: 16 KB of a, 8 KB of codes).
-DECODE_CFG = Fp8Config(block_m=64, block_n=64, block_k=128, num_warps=4, num_stages=6)
+# Decode-sized: the FP8 GEMM's 64 x 64 tiles with K split for the SM count, so that about two programs run on
+# each SM. A stage holds 16 KB of a (bf16, twice the FP8 GEMM's), 8 KB of codes and 1 KB of scales: at that
+# GEMM's 6 stages a program takes 157 KB of shared memory and an SM runs one; at 4 stages 107 KB, two
+# (compiled for sm_90; not yet timed, `bench_kernels.py --only fp8_weight` has both).
+DECODE_CFG = Fp8Config(block_m=64, block_n=64, block_k=128, num_warps=4, num_stages=4)
 
 
 def weight_config(m: int, n: int, k: int, groups: int = 1) -> Fp8Config:
