@@ -29,9 +29,10 @@ def unit_rms_norm(x: jax.Array, eps: float) -> jax.Array:
 
 
 # `kernels`, an argument of the models' step functions: how decode steps (chunks of one token) run attention
-# and the indexer (V4), and how every chunk, prefill included, runs the FP8 weights in DeepGEMM's layout
-# (`takes_fp8_gemm` projections: activations quantized 1x128, then `fp8_gemm`; `takes_fp8_grouped` routed
-# experts: the FP8 grouped GEMMs; other weights are made dense first). "auto": the kernels of djax.kernels
+# and the indexer (V4), and how every chunk, prefill included, runs FP8 weights (`takes_fp8_gemm` projections:
+# activations quantized 1x128, then `fp8_gemm`; other FP8 projections and the output LoRA's groups, up to
+# FP8_WEIGHT_MAX_ROWS rows: `fp8_weight_gemm`; `takes_fp8_grouped` routed experts: the FP8 grouped GEMMs;
+# other weights are made dense first). "auto": the kernels of djax.kernels
 # where they apply (CUDA with Triton, bf16, kernel-friendly shapes), the jnp path everywhere else; "ref":
 # through the kernels' jnp references on any backend (tests the plumbing); "off": the jnp path, FP8 weights
 # made dense on use. The routed experts are the MoE impl's business (`moe.experts_grouped` takes the Triton
