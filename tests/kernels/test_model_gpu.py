@@ -208,3 +208,45 @@ def test_decode_fp8_model_auto_within_bf16_error(monkeypatch):
     assert "fp8_swiglu_kernel" in launched, launched  # the experts' gate, up and SwiGLU
     err_slow, err_fast = _typical_rel(slow, truth), _typical_rel(fast, truth)
     assert err_fast <= 2 * err_slow + 1e-3, (err_fast, err_slow)
+
+
+def test_decode_v41_fp8_weights_auto_within_bf16_error(monkeypatch):
+    """V4.1 with its projections in FP8 of 32 x 32 blocks (its checkpoint's layout; experts bf16), prefilling
+    and decoding with kernels="auto" (each such weight read as stored by Triton's weight-only kernel, the
+    output LoRA's groups in one launch) against kernels="ref" (the kernel's jnp reference: the weight made
+    dense, then a matmul), both bf16, judged against a float32 run of "ref"."""
+    from djax.kernels import fp8_gemm as kfp8
+    from djax.kernels import partition
+
+    partition.fp8_weight_gemm.cache_clear()
+    partition.fp8_weight_gemm_grouped.cache_clear()
+    jax.clear_caches()
+    cfg = djax.preset("tiny-v41").replace(
+        num_nextn_predict_layers=0,
+        o_lora_rank=32,
+        hidden_size=256,
+        moe_intermediate_size=256,
+        n_routed_experts=16,
+        hc_sinkhorn_unroll=False,
+    )
+    bf = cfg.replace(dtype="bfloat16")
+    pbf = djax.quantize_projections(
+        djax.init_params(bf, jax.random.key(0)), bf, block=(32, 32), experts=False
+    )
+    p32 = jax.tree.map(lambda w: w.astype(jnp.float32) if w.dtype == jnp.bfloat16 else w, pbf)
+    tokens = jax.random.randint(jax.random.key(1), (4, 96), 0, cfg.vocab_size)
+    lens = jnp.array([64, 40, 17, 5], jnp.int32)
+
+    impls = []
+    fn = kfp8.fp8_weight_gemm
+    monkeypatch.setattr(kfp8, "fp8_weight_gemm", lambda *a, **kw: impls.append(kw["impl"]) or fn(*a, **kw))
+    launched = _record_launches(monkeypatch)
+    truth = _decode_logits(p32, cfg, tokens, lens, "ref")
+    slow = _decode_logits(pbf, bf, tokens, lens, "ref")
+    assert impls and set(impls) == {"ref"}, impls
+    impls.clear()
+    fast = _decode_logits(pbf, bf, tokens, lens, "auto")
+    assert impls and set(impls) == {"auto"}, impls
+    assert "fp8_weight_gemm_kernel" in launched, launched
+    err_slow, err_fast = _typical_rel(slow, truth), _typical_rel(fast, truth)
+    assert err_fast <= 2 * err_slow + 1e-3, (err_fast, err_slow)
