@@ -253,6 +253,8 @@ def _fp4_scale_dtype(src: _Source) -> np.dtype:
 
 
 def _load(src: _Source, p: Param, config: ModelConfig, block, keep_quantized: bool, sharding):
+    """One weight from its on-disk tensors: dense in its dtype, or with keep_quantized the QArray it is
+    stored as (callers pass keep_quantized only for weights the model multiplies, `_stored_fp8`)."""
     dtype = np.dtype(p.dtype if p.dtype is not None else config.dtype)
     if not src.quantized and not src.fp4:
         return _put(src, dtype, sharding)
@@ -313,6 +315,8 @@ def load_checkpoint(
     weights (V4.1's routed experts) `QArray` of packed e2m1 codes + per-32 scales (UE8M0 as
     float8_e8m0fnu: 0.53 byte a value), which the model dequantizes on use; otherwise both are
     dequantized to the dtype while loading (the same math, so the model's results are the same).
+    Embedding tables stored quantized (V4.1's Engram tables) are made dense either way: they are
+    looked up by row, not multiplied.
     shardings: None (default device), one `jax.sharding.Sharding` for every weight, or a tree like
     the params (e.g. `djax.sharding.param_shardings(config, mesh)`); each device then reads only
     its own slice of each tensor. A kept-quantized weight's scale shards like the weight where
@@ -342,7 +346,10 @@ def load_checkpoint(
         if name in derived:
             out[name] = jax.device_put(derived[name], shard_of.get(name))
         else:
-            out[name] = _load(plan[name], decl[name], config, block, keep_quantized, shard_of.get(name))
+            # kept quantized: only the matrices the model multiplies (a table stored in FP8, such as V4.1's
+            # Engram embeddings, is looked up by row, so it is made dense while loading)
+            keep = keep_quantized and _stored_fp8(name, decl[name])
+            out[name] = _load(plan[name], decl[name], config, block, keep, shard_of.get(name))
     return config, unflatten_names(out, tree)
 
 

@@ -451,3 +451,34 @@ def test_fp4_experts_are_dequantized_on_load(tmp_path):
     for k in expected:
         m = re.match(r"(.*\.experts)\.\d+\.(w[123])\.weight$", k)
         assert flatten_names(kept)[f"{m[1]}.{m[2]}"].is_fp4
+
+
+def test_fp8_engram_tables_load_dense_when_kept_quantized(tmp_path):
+    """A checkpoint may hold V4.1's Engram tables in FP8 beside its projections. The tables are looked up
+    by row (on the host where they live there), not multiplied: keep_quantized=True loads them dense, equal
+    to their dequantized values, while the projections stay QArray, and the model's logits are those of
+    the fully dequantized load."""
+    cfg = preset("tiny-v41")
+    save_pretrained(djax.init_params(cfg, jax.random.key(3)), cfg, tmp_path / "plain")
+    want = {}
+
+    def edit(name, a):
+        if a.ndim == 2 and re.search(r"\.(engram\.embed|attn\.wq_a)\.weight$", name):
+            values, scale, want[name] = _pow2_fp8(a, (32, 32))
+            return {name: values, name.removesuffix(".weight") + ".weight_scale_inv": scale}
+        return {name: a}
+
+    quant = {"quantization_config": {"weight_block_size": [32, 32]}}
+    path = rewrite(tmp_path / "plain", tmp_path / "fp8", edit, lambda c: {**c, **quant})
+    _, kept = load_checkpoint(path, keep_quantized=True, progress=False)
+    flat = flatten_names(kept)
+    tables = [n for n in want if "engram" in n]
+    assert tables and all(isinstance(flat[n], QArray) for n in want if n.endswith("wq_a.weight"))
+    for n in tables:
+        assert not isinstance(flat[n], QArray), n
+        np.testing.assert_array_equal(np.asarray(flat[n], np.float32), want[n].astype(cfg.dtype))
+    tok = jax.random.randint(jax.random.key(4), (2, 8), 0, cfg.vocab_size)
+    _, dense = load_checkpoint(path, progress=False)
+    np.testing.assert_allclose(
+        np.asarray(forward(kept, tok, cfg)), np.asarray(forward(dense, tok, cfg)), rtol=1e-5, atol=1e-5
+    )
