@@ -32,20 +32,26 @@ DECODES = ("cast", "bits")
 # Prefill-sized: 128 x 128 tiles, as the bf16 and FP8 GEMMs' defaults (a stage: 32 KB of bf16 a, 16 KB of codes).
 PREFILL_CFG = Fp8Config(block_m=128, block_n=128, block_k=128, num_warps=8, num_stages=3)
 # Decode-sized: the FP8 GEMM's 64 x 64 tiles with K split for the SM count, so that about two programs run on
-# each SM. A stage holds 16 KB of a (bf16, twice the FP8 GEMM's), 8 KB of codes and 1 KB of scales: at that
-# GEMM's 6 stages a program takes 157 KB of shared memory and an SM runs one; at 4 stages 107 KB, two
-# (compiled for sm_90; not yet timed, `bench_kernels.py --only fp8_weight` has both).
+# each SM. A stage holds 16 KB of a (bf16, twice the FP8 GEMM's), 8 KB of codes and 1 KB of scales: 4 stages,
+# 107 KB, two programs an SM.
 DECODE_CFG = Fp8Config(block_m=64, block_n=64, block_k=128, num_warps=4, num_stages=4)
+# Up to FEW_ROWS rows: 16-row tiles (mma.sync, a quarter of a's shared memory) at 6 stages. H200, 2026-12-05
+# (`kernels_h200_fp8_weight.json`, device time, one row, 32 x 32 blocks): 16.2 against DECODE_CFG's 25.2 us at
+# 32768 x 1280 and 17.3 against 38.4 at 5120 x 8192; at 32 rows mixed (28.9 against 25.8, 28.8 against
+# 39.3), so 32 rows keep DECODE_CFG. (The grouped form, wo_a, takes the same rule; not timed with it.)
+FEW_ROWS = 16
+FEW_ROWS_CFG = replace(DECODE_CFG, block_m=16, num_stages=6)
 
 
 def weight_config(m: int, n: int, k: int, groups: int = 1) -> Fp8Config:
     """The kernel's tiles when none are given, by `fp8_gemm_triton.dense_config`'s rule over all `groups`
-    products: PREFILL_CFG where m > 64 and its tiles cover the 132 SMs, else DECODE_CFG with K split until
-    about two programs a SM."""
+    products: PREFILL_CFG where m > 64 and its tiles cover the 132 SMs, else DECODE_CFG (FEW_ROWS_CFG up to
+    FEW_ROWS rows) with K split until about two programs a SM."""
     if m > 64 and groups * -(-m // 128) * -(-n // 128) >= H200_SMS:
         return PREFILL_CFG
-    tiles = groups * -(-m // DECODE_CFG.block_m) * -(-n // DECODE_CFG.block_n)
-    return replace(DECODE_CFG, split_k=fewest_splits(tiles, -(-k // DECODE_CFG.block_k)))
+    base = FEW_ROWS_CFG if m <= FEW_ROWS else DECODE_CFG
+    tiles = groups * -(-m // base.block_m) * -(-n // base.block_n)
+    return replace(base, split_k=fewest_splits(tiles, -(-k // base.block_k)))
 
 
 @triton.jit

@@ -81,12 +81,11 @@ def takes_fp8_grouped(w) -> bool:
 
 
 # Rows up to which an FP8 weight in another block layout (`takes_fp8_weight_gemm`) is read as stored by
-# `fp8_weight_gemm` instead of made dense on use. By bytes and FLOPs (H200: 4.3 TB/s, about 600 TFLOP/s in
-# bf16): made dense, each weight value costs 5 bytes of traffic (1 read, 2 written, 2 read by the GEMM)
-# before the GEMM's 2 m FLOPs, which is 349 / m of the GEMM's time; the kernel's bf16 dot, with the codes
-# decoded in its loop, is assumed no better than 75% of cuBLAS's. So below about 1,000 rows the kernel
-# wins, and by a wide margin at decode sizes; 256 keeps to where the margin is wide. Not yet measured.
-FP8_WEIGHT_MAX_ROWS = 256
+# `fp8_weight_gemm` instead of made dense on use. H200, 2026-12-05 (`kernels_h200_fp8_weight.json`, device
+# time, 32 x 32 blocks, V4.1's shapes and wo_a): at 128 rows the kernel took 22.4-73.9 us against 27.4-83.3 for
+# dense on use (1.13-2.2x) on all six shapes; at 256 rows it lost on five (e.g. 134.8 against 88.1 us at
+# 5120 x 8192): its dot runs at a fraction of cuBLAS's rate while XLA fuses the dequantisation cheaply.
+FP8_WEIGHT_MAX_ROWS = 128
 
 
 def fp8_weight_readable(w) -> bool:

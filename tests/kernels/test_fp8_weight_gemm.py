@@ -13,7 +13,7 @@ import pytest
 from checks import assert_close, needs_triton_interp
 
 from djax.kernels.fp8_gemm import fp8_weight_gemm
-from djax.kernels.fp8_weight_triton import DECODE_CFG, PREFILL_CFG, Fp8Config, weight_config
+from djax.kernels.fp8_weight_triton import DECODE_CFG, FEW_ROWS_CFG, PREFILL_CFG, Fp8Config, weight_config
 from djax.quant import QArray, quantize
 
 SMALL = Fp8Config(block_m=16, block_n=32, block_k=64, num_warps=4, num_stages=1)
@@ -167,22 +167,25 @@ def test_refusals_name_the_problem():
 
 
 def test_weight_config_splits_k_at_decode_and_not_at_prefill():
-    """A 1024 x 5120 projection (V4.1's hidden size in): 16 tiles of 64 x 64 at one row, split 8 ways (40 K
-    steps); at 4,096 rows 128 x 128 tiles, 256 of them, unsplit. V4.1's output LoRA (8 groups of 1024 x
-    4096) at one row: 128 tiles over the groups, split 2 ways."""
-    assert weight_config(1, 1024, 5120) == replace(DECODE_CFG, split_k=8)
+    """A 1024 x 5120 projection (V4.1's hidden size in): at one row 16 tiles of 16 x 64, split 8 ways (40 K
+    steps); at 32 rows the same count of 64 x 64 tiles; at 4,096 rows 128 x 128 tiles, 256 of them, unsplit.
+    V4.1's output LoRA (8 groups of 1024 x 4096) at one row: 128 tiles over the groups, split 2 ways."""
+    assert weight_config(1, 1024, 5120) == replace(FEW_ROWS_CFG, split_k=8)
+    assert weight_config(16, 1024, 5120) == replace(FEW_ROWS_CFG, split_k=8)
+    assert weight_config(32, 1024, 5120) == replace(DECODE_CFG, split_k=8)
     assert weight_config(4096, 1024, 5120) == PREFILL_CFG
-    assert weight_config(1, 1024, 4096, groups=8) == replace(DECODE_CFG, split_k=2)
+    assert weight_config(1, 1024, 4096, groups=8) == replace(FEW_ROWS_CFG, split_k=2)
 
 
 @pytest.mark.parametrize(
     "cfg, groups, n, k",
     [
         (DECODE_CFG, 1, 1024, 5120),
+        (replace(FEW_ROWS_CFG, split_k=8), 1, 1024, 5120),
         (PREFILL_CFG, 1, 1024, 5120),
-        (replace(DECODE_CFG, split_k=2), 8, 1024, 4096),
+        (replace(FEW_ROWS_CFG, split_k=2), 8, 1024, 4096),
     ],
-    ids=["decode", "prefill", "wo_a"],
+    ids=["decode", "few_rows", "prefill", "wo_a"],
 )
 def test_kernel_compiles_to_sm90_cubin_at_v41_shapes(cfg, groups, n, k):
     """The kernel with the fp8 conversion a GPU runs ("cast"), bf16 activations and V4.1's 32 x 32 blocks (a
