@@ -82,9 +82,10 @@ def takes_fp8_grouped(w) -> bool:
 
 # Rows up to which an FP8 weight in another block layout (`takes_fp8_weight_gemm`) is read as stored by
 # `fp8_weight_gemm` instead of made dense on use. H200, 2026-12-05 (`kernels_h200_fp8_weight.json`, device
-# time, 32 x 32 blocks, V4.1's shapes and wo_a): at 128 rows the kernel took 22.4-73.9 us against 27.4-83.3 for
-# dense on use (1.13-2.2x) on all six shapes; at 256 rows it lost on five (e.g. 134.8 against 88.1 us at
-# 5120 x 8192): its dot runs at a fraction of cuBLAS's rate while XLA fuses the dequantisation cheaply.
+# time, 32 x 32 blocks, V4.1's shapes and wo_a): at 128 rows the kernel was 1.13-2.20x faster than dense on
+# use on all six shapes (e.g. 36.1 against 79.3 us at 32768 x 1280); at 256 rows it lost on five (e.g. 134.8
+# against 88.1 us at 5120 x 8192): its dot runs at a fraction of cuBLAS's rate, and XLA fuses the
+# dequantisation into its own GEMM cheaply.
 FP8_WEIGHT_MAX_ROWS = 128
 
 
