@@ -28,7 +28,17 @@ from djax.config import ModelConfig
 from djax.fp4 import GROUP as FP4_GROUP
 from djax.models import model_module
 from djax.params import Param, flatten_names, is_param, unflatten_names
-from djax.quant import E8M0, FP8, QArray, from_fp4, quantize, scale_shape, scale_sharding
+from djax.quant import (
+    E8M0,
+    FP8,
+    SCALE_FMTS,
+    QArray,
+    from_fp4,
+    has_ue8m0_scales,
+    quantize,
+    scale_shape,
+    scale_sharding,
+)
 from djax.safetensors_io import DTYPES, Lazy, SafetensorsFile, nbytes, save_file
 
 INDEX = "model.safetensors.index.json"
@@ -97,13 +107,35 @@ class _Source:
         """Copy out `index` (a tuple of slices, as `make_array_from_callback` passes) in `dtype`.
 
         Bytes are reinterpreted, not converted, between int8 and uint8 (packed FP4 codes) and from
-        uint8 to float8_e8m0fnu (UE8M0 exponents); every other pair converts values.
+        uint8 to float8_e8m0fnu (UE8M0 exponents); every other pair converts values (floats to
+        float8_e8m0fnu only where each is a power of two, `_ue8m0_from_float`).
         """
         index = tuple(index)
+
+        def copy(t: _Tensor, where: tuple) -> np.ndarray:
+            a = t.array(scale)[where]
+            if dtype is not None and np.dtype(dtype) == E8M0 and a.dtype not in (np.int8, np.uint8, E8M0):
+                return _ue8m0_from_float(a, t.scale[1])
+            return _copy(a, dtype)
+
         if not self.stacked:
-            return _copy(self.parts[0].array(scale)[index], dtype)
+            return copy(self.parts[0], index)
         lead, rest = (index[0], index[1:]) if index else (slice(None), ())
-        return np.stack([_copy(t.array(scale)[rest], dtype) for t in self.parts[lead]])
+        return np.stack([copy(t, rest) for t in self.parts[lead]])
+
+
+def _ue8m0_from_float(a: np.ndarray, name: str) -> np.ndarray:
+    """Float scales of a checkpoint whose config says `"scale_fmt": "ue8m0"` as float8_e8m0fnu; each must be
+    a power of two (the conversion would round any other)."""
+    out = np.asarray(a, np.float32).astype(E8M0)
+    bad = out.astype(np.float32) != np.asarray(a, np.float32)
+    if bad.any():
+        where = tuple(int(i) for i in np.argwhere(bad)[0])
+        raise CheckpointError(
+            f"scale {name!r} holds {float(np.asarray(a)[where])} at {where}, not a power of two, but "
+            'config.json\'s quantization_config says "scale_fmt": "ue8m0"'
+        )
+    return out
 
 
 def _copy(a: np.ndarray, dtype) -> np.ndarray:
@@ -252,9 +284,11 @@ def _fp4_scale_dtype(src: _Source) -> np.dtype:
     return E8M0 if d in (np.uint8, E8M0) else d
 
 
-def _load(src: _Source, p: Param, config: ModelConfig, block, keep_quantized: bool, sharding):
+def _load(src: _Source, p: Param, config: ModelConfig, quant, keep_quantized: bool, sharding):
     """One weight from its on-disk tensors: dense in its dtype, or with keep_quantized the QArray it is
-    stored as (callers pass keep_quantized only for weights the model multiplies, `_stored_fp8`)."""
+    stored as (callers pass keep_quantized only for weights the model multiplies, `_stored_fp8`). FP8
+    scales stored as F8_E8M0, or as floats under `"scale_fmt": "ue8m0"`, are kept UE8M0 (float8_e8m0fnu),
+    which tells the model to quantize activations as DeepSeek does for them (`has_ue8m0_scales`)."""
     dtype = np.dtype(p.dtype if p.dtype is not None else config.dtype)
     if not src.quantized and not src.fp4:
         return _put(src, dtype, sharding)
@@ -266,8 +300,12 @@ def _load(src: _Source, p: Param, config: ModelConfig, block, keep_quantized: bo
         q = from_fp4(values, scale)
     else:
         values = _put(src, src.parts[0].array().dtype, sharding)
-        scale = _put(src, np.float32, scale_sharding(sharding, src.shape(scale=True)), scale=True)
-        q = QArray(values, scale, block)
+        stored = src.parts[0].array(scale=True).dtype
+        ue8m0 = stored == E8M0 or quant.scale_fmt == "ue8m0"
+        scale = _put(
+            src, E8M0 if ue8m0 else np.float32, scale_sharding(sharding, src.shape(scale=True)), scale=True
+        )
+        q = QArray(values, scale, quant.block)
     if keep_quantized and p.dtype is None:
         return q
     out = _dequantize(q, dtype)
@@ -285,7 +323,15 @@ def _shardings_by_name(shardings: Any, decl: dict[str, Param]) -> dict[str, Any]
     return flat
 
 
-def _read_config(path: Path, dtype: str | None) -> tuple[ModelConfig, tuple[int, int]]:
+@dataclass(frozen=True)
+class _Quant:
+    """config.json's `quantization_config`, the parts the loader uses."""
+
+    block: tuple[int, int] = DEFAULT_BLOCK
+    scale_fmt: str | None = None  # "ue8m0": every FP8 block scale is a power of two
+
+
+def _read_config(path: Path, dtype: str | None) -> tuple[ModelConfig, _Quant]:
     file = path / "config.json"
     if not file.exists():
         raise CheckpointError(f"no config.json in {path}")
@@ -294,7 +340,12 @@ def _read_config(path: Path, dtype: str | None) -> tuple[ModelConfig, tuple[int,
     if dtype is not None:
         config = config.replace(dtype=dtype)
     quant = raw.get("text_config", raw).get("quantization_config") or raw.get("quantization_config") or {}
-    return config, tuple(quant.get("weight_block_size") or DEFAULT_BLOCK)
+    fmt = quant.get("scale_fmt")
+    if fmt not in SCALE_FMTS:
+        raise CheckpointError(
+            f"quantization_config.scale_fmt {fmt!r} is not supported (known: {[f for f in SCALE_FMTS if f]})"
+        )
+    return config, _Quant(tuple(quant.get("weight_block_size") or DEFAULT_BLOCK), fmt)
 
 
 def load_checkpoint(
@@ -329,7 +380,7 @@ def load_checkpoint(
     tensor it is built from the folder's tokenizer.json.
     """
     path = Path(path)
-    config, block = _read_config(path, dtype)
+    config, quant = _read_config(path, dtype)
     module = model_module(config)
     found = _index(_open_files(path), lambda raw: module.canonical_name(raw, config))
     with_mtp = any(n.startswith("mtp.") for n in found)
@@ -338,7 +389,7 @@ def load_checkpoint(
     derived = {}
     if ENGRAM_MAP in decl and ENGRAM_MAP not in found:
         derived[ENGRAM_MAP] = _engram_map_from_tokenizer(path, config)
-    plan = _plan(found, {k: v for k, v in decl.items() if k not in derived}, block)
+    plan = _plan(found, {k: v for k, v in decl.items() if k not in derived}, quant.block)
 
     shard_of = _shardings_by_name(shardings, decl)
     out = {}
@@ -349,7 +400,7 @@ def load_checkpoint(
             # kept quantized: only the matrices the model multiplies (a table stored in FP8, such as V4.1's
             # Engram embeddings, is looked up by row, so it is made dense while loading)
             keep = keep_quantized and _stored_fp8(name, decl[name])
-            out[name] = _load(plan[name], decl[name], config, block, keep, shard_of.get(name))
+            out[name] = _load(plan[name], decl[name], config, quant, keep, shard_of.get(name))
     return config, unflatten_names(out, tree)
 
 
@@ -378,8 +429,11 @@ def _engram_map_from_tokenizer(path: Path, config: ModelConfig) -> np.ndarray:
 
 
 # ---- writing -----------------------------------------------------------------------------------------
-def _tensors(name: str, w: Any, expert: int | None, quant: tuple[int, int] | None) -> dict[str, Lazy]:
-    """The on-disk tensors of weight w (or of its expert `expert`): the weight, and its `.scale` if FP8."""
+def _tensors(
+    name: str, w: Any, expert: int | None, quant: tuple[int, int] | None, scale_fmt: str | None = None
+) -> dict[str, Lazy]:
+    """The on-disk tensors of weight w (or of its expert `expert`): the weight, and its `.scale` if FP8
+    (float32, or F8_E8M0 for UE8M0 scales; a plain weight is quantized with `scale_fmt`)."""
     shape = tuple(w.shape[1:] if expert is not None else w.shape)
 
     def get():
@@ -396,21 +450,21 @@ def _tensors(name: str, w: Any, expert: int | None, quant: tuple[int, int] | Non
             scale_name: Lazy((*shape[:-1], shape[-1] // FP4_GROUP), w.scale.dtype, lambda: get().scale),
         }
     if isinstance(w, QArray):
+        sdtype = E8M0 if has_ue8m0_scales(w) else np.float32
         return {
             name: Lazy(shape, w.values.dtype, lambda: get().values),
-            scale_name: Lazy(
-                scale_shape(shape, w.block), np.float32, lambda: jnp.asarray(get().scale, jnp.float32)
-            ),
+            scale_name: Lazy(scale_shape(shape, w.block), sdtype, lambda: jnp.asarray(get().scale, sdtype)),
         }
     held: dict[str, QArray] = {}  # the values are written first; the scale right after frees it
 
     def values():
-        held["q"] = quantize(np.asarray(get()), quant)
+        held["q"] = quantize(np.asarray(get()), quant, scale_fmt)
         return held["q"].values
 
+    sdtype = E8M0 if scale_fmt == "ue8m0" else np.float32
     return {
         name: Lazy(shape, np.dtype(FP8), values),
-        scale_name: Lazy(scale_shape(shape, quant), np.float32, lambda: held.pop("q").scale),
+        scale_name: Lazy(scale_shape(shape, quant), sdtype, lambda: held.pop("q").scale),
     }
 
 
@@ -427,11 +481,16 @@ def _fp8_eligible(name: str, p: Param) -> bool:
 
 
 def quantize_projections(
-    params: Any, config: ModelConfig, block: tuple[int, int] = DEFAULT_BLOCK, experts: bool = True
+    params: Any,
+    config: ModelConfig,
+    block: tuple[int, int] = DEFAULT_BLOCK,
+    experts: bool = True,
+    scale_fmt: str | None = None,
 ) -> Any:
     """params with every matrix DeepSeek ships in FP8 (the projections and, with `experts`, the stacked
     routed experts; not the embedding, head, router or float32-declared weights) as an FP8 QArray with `block`
-    scales, the way a checkpoint saved with fp8=True loads them. Leaves already quantized are kept."""
+    scales (power-of-two UE8M0 ones with scale_fmt "ue8m0", as V4's checkpoints), the way a checkpoint saved
+    with fp8=True loads them. Leaves already quantized are kept."""
     flat = flatten_names(params)
     tree = model_module(config).declare(config, with_mtp=any(n.startswith("mtp.") for n in flat))
     decl = {k: v for k, v in flatten_names(tree).items() if is_param(v)}
@@ -439,7 +498,8 @@ def quantize_projections(
     for name, w in flat.items():
         p = decl.get(name)
         eligible = p is not None and not isinstance(w, QArray) and _stored_fp8(name, p)
-        out[name] = quantize(w, block) if eligible and (experts or not _per_expert(name, p)) else w
+        quantized = eligible and (experts or not _per_expert(name, p))
+        out[name] = quantize(w, block, scale_fmt) if quantized else w
     return unflatten_names(out, params)
 
 
@@ -455,8 +515,11 @@ def _stored_fp8(name: str, p: Param) -> bool:
     return _fp8_eligible(name, p)
 
 
-def _disk_tensors(params: Any, config: ModelConfig, fp8: bool) -> tuple[list[dict[str, Lazy]], set]:
-    """Per weight (per expert), its on-disk tensors under DeepSeek's names; and the quant blocks used."""
+def _disk_tensors(
+    params: Any, config: ModelConfig, fp8: bool
+) -> tuple[list[dict[str, Lazy]], set, str | None]:
+    """Per weight (per expert), its on-disk tensors under DeepSeek's names; the quant blocks used; and the
+    FP8 scales' format ("ue8m0" where the params' FP8 QArrays have UE8M0 scales)."""
     flat = flatten_names(params)
     tree = model_module(config).declare(config, with_mtp=any(n.startswith("mtp.") for n in flat))
     decl = {k: v for k, v in flatten_names(tree).items() if is_param(v)}
@@ -468,8 +531,15 @@ def _disk_tensors(params: Any, config: ModelConfig, fp8: bool) -> tuple[list[dic
             if names
         ]
         raise CheckpointError("params do not match the config:\n  " + "\n  ".join(lines))
-    blocks = {w.block for w in flat.values() if isinstance(w, QArray) and not w.is_fp4}
+    fp8_weights = [w for w in flat.values() if isinstance(w, QArray) and not w.is_fp4]
+    blocks = {w.block for w in fp8_weights}
     qblock = next(iter(blocks)) if blocks else DEFAULT_BLOCK  # fp8 matches the params' own blocks
+    formats = {has_ue8m0_scales(w) for w in fp8_weights}
+    if len(formats) > 1:
+        raise CheckpointError(
+            "some FP8 weights have UE8M0 scales and others float ones; config.json holds one scale_fmt"
+        )
+    scale_fmt = "ue8m0" if formats == {True} else None  # fp8 quantizes plain weights the same way
     units = []
     for name, p in decl.items():
         w = flat[name]
@@ -481,10 +551,12 @@ def _disk_tensors(params: Any, config: ModelConfig, fp8: bool) -> tuple[list[dic
         if quant is not None and not isinstance(w, QArray):
             blocks.add(quant)
         if per_expert:
-            units += [_tensors(f"{m[1]}.{e}.{m[2]}.weight", w, e, quant) for e in range(p.shape[0])]
+            units += [
+                _tensors(f"{m[1]}.{e}.{m[2]}.weight", w, e, quant, scale_fmt) for e in range(p.shape[0])
+            ]
         else:
-            units.append(_tensors(name, w, None, quant))
-    return units, blocks
+            units.append(_tensors(name, w, None, quant, scale_fmt))
+    return units, blocks, scale_fmt
 
 
 def save_pretrained(
@@ -503,13 +575,16 @@ def save_pretrained(
     fp8: write every projection matrix (not the embedding, head or router) as FP8 e4m3 with
     float32 block scales (128 x 128, or the params' own QArray blocks) named `<name>.scale`;
     `QArray` weights are written that way whatever fp8 says, with config.json's
-    `quantization_config` giving the block. FP4 `QArray` weights are written packed (U8, two codes a
+    `quantization_config` giving the block. FP8 `QArray`s with UE8M0 scales (`quantize(...,
+    scale_fmt="ue8m0")`) are written with F8_E8M0 scales and `"scale_fmt": "ue8m0"` (plain weights
+    that fp8 quantizes then take power-of-two scales too), as DeepSeek V4's checkpoints hold them.
+    FP4 `QArray` weights are written packed (U8, two codes a
     byte) beside their per-32 `.scale` in its dtype (F8_E8M0 for UE8M0), and config.json then says
     `"expert_dtype": "fp4"`. Tensors are fetched from the device (and quantized) one
     at a time as they are written.
     """
     path = Path(path)
-    units, blocks = _disk_tensors(params, config, fp8)
+    units, blocks, scale_fmt = _disk_tensors(params, config, fp8)
     if len(blocks) > 1:
         raise CheckpointError(
             f"quantized weights use several block shapes {sorted(blocks)}; config.json holds one"
@@ -537,6 +612,8 @@ def save_pretrained(
             "activation_scheme": "dynamic",
             "weight_block_size": list(blocks.pop()),
         }
+        if scale_fmt is not None:
+            hf["quantization_config"]["scale_fmt"] = scale_fmt
     (path / "config.json").write_text(json.dumps(hf, indent=2) + "\n")
     weight_map = {}
     for i, shard in enumerate(shards):

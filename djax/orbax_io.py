@@ -14,7 +14,7 @@ from djax.checkpoint import CheckpointError, _listing, _shardings_by_name
 from djax.config import ModelConfig
 from djax.models import model_module
 from djax.params import Param, flatten_names, is_param, unflatten_names
-from djax.quant import QArray, scale_sharding
+from djax.quant import E8M0, QArray, scale_sharding
 
 _QUANT_KEY = "djax_quant_blocks"  # custom metadata: tree name -> block of every QArray weight
 
@@ -43,8 +43,9 @@ def _target(name: str, p: Param, saved: dict, blocks: dict, config: ModelConfig,
         dtype = np.dtype(p.dtype if p.dtype is not None else config.dtype)
         return jax.ShapeDtypeStruct(tuple(saved[name].shape), dtype, sharding=sharding)
     values, scale = saved[name + ".values"], saved[name + ".scale"]
-    # FP4 (uint8 values) scales come back in their saved dtype: Orbax's cast from e8m0 is wrong.
-    scale_dtype = scale.dtype if values.dtype == np.uint8 else jnp.float32
+    # FP4 (uint8 values) and UE8M0 scales come back in their saved dtype: Orbax's cast from e8m0 is wrong.
+    kept = values.dtype == np.uint8 or np.dtype(scale.dtype) == E8M0
+    scale_dtype = scale.dtype if kept else jnp.float32
     return QArray(
         jax.ShapeDtypeStruct(tuple(values.shape), values.dtype, sharding=sharding),
         jax.ShapeDtypeStruct(

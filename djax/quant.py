@@ -115,13 +115,35 @@ def dense(w, dtype) -> jax.Array:
     return w.astype(dtype)
 
 
-def quantize(w, block: tuple[int, int] = (128, 128)) -> QArray:
+SCALE_FMTS = (None, "ue8m0")
+
+
+def pow2_ceil(s):
+    """2^ceil(log2(s)) for positive normal float32 s, from its bits as DeepSeek's `fast_round_scale`: the
+    exponent, plus one where any mantissa bit is set (a power of two stays itself). numpy or jnp alike."""
+    xp = np if isinstance(s, np.ndarray) else jnp
+    bits = xp.asarray(s, xp.float32).view(xp.uint32)
+    exponent = (bits >> 23) + ((bits & 0x7FFFFF) != 0).astype(xp.uint32)
+    return (exponent << 23).view(xp.float32)
+
+
+def has_ue8m0_scales(w) -> bool:
+    """Whether w is an FP8 QArray whose block scales are UE8M0 (float8_e8m0fnu: powers of two), the form of
+    checkpoints whose `quantization_config` says `"scale_fmt": "ue8m0"` (DeepSeek V3.1 on, V4). DeepSeek's
+    inference quantizes the activations of such weights with power-of-two scales too (`quantize_act`)."""
+    return isinstance(w, QArray) and not w.is_fp4 and jnp.dtype(w.scale.dtype) == E8M0
+
+
+def quantize(w, block: tuple[int, int] = (128, 128), scale_fmt: str | None = None) -> QArray:
     """Block-wise FP8 e4m3 quantization of w [..., o, i]: each block's max |w| maps to 448.
 
     Returns a QArray with values e4m3[..., o, i] and scale f32[..., ceil(o / bo), ceil(i / bi)],
-    scale = amax / 448 (a tiny floor for all-zero blocks). A numpy w is quantized on the host with
-    numpy (what checkpoint writing wants); a jax w with jnp (jittable with `block` static).
+    scale = amax / 448 (a tiny floor for all-zero blocks); with scale_fmt "ue8m0" that scale rounded up to
+    a power of two, held as float8_e8m0fnu (the block's max then maps to 224-448). A numpy w is quantized
+    on the host with numpy (what checkpoint writing wants); a jax w with jnp (jittable with `block` static).
     """
+    if scale_fmt not in SCALE_FMTS:
+        raise ValueError(f"scale_fmt must be one of {SCALE_FMTS}, got {scale_fmt!r}")
     xp = np if isinstance(w, np.ndarray) else jnp
     bo, bi = block
     w = xp.asarray(w, xp.float32)
@@ -131,7 +153,10 @@ def quantize(w, block: tuple[int, int] = (128, 128)) -> QArray:
     blocks = padded.reshape(*lead, no, bo, ni, bi)
     amax = xp.max(xp.abs(blocks), axis=(-3, -1))  # f32[..., no, ni]
     scale = (xp.maximum(amax, xp.float32(1e-12)) * xp.float32(1 / FP8_MAX)).astype(xp.float32)
+    if scale_fmt == "ue8m0":
+        scale = pow2_ceil(scale)
     q = (blocks / scale[..., :, None, :, None]).reshape(*lead, no * bo, ni * bi)[..., :o, :i]
+    scale = scale.astype(E8M0) if scale_fmt == "ue8m0" else scale
     return QArray(xp.clip(q, -FP8_MAX, FP8_MAX).astype(FP8), scale, (bo, bi))
 
 

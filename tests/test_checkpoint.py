@@ -273,7 +273,8 @@ def test_fp8_with_weight_scale_inv_and_e8m0_scales(v4, tmp_path):
     )
     _, kept = load_checkpoint(path, keep_quantized=True, progress=False)
     q = flatten_names(kept)["layers.0.attn.wo_b.weight"]
-    assert isinstance(q, QArray) and q.block == block and q.scale.dtype == jnp.float32
+    # E8M0 on disk stays UE8M0 (powers of two), which sets the activations' scale rule (`has_ue8m0_scales`)
+    assert isinstance(q, QArray) and q.block == block and q.scale.dtype == ml_dtypes.float8_e8m0fnu
     np.testing.assert_array_equal(np.asarray(q.dense(jnp.float32)), want["layers.0.attn.wo_b.weight"])
 
 

@@ -21,6 +21,7 @@ from djax.kernels.fp8_gemm_ref import quantize_act
 from djax.kernels.fp8_gemm_triton import Fp8Config, fewest_splits
 from djax.kernels.grouped_gemm import GemmConfig, grouped_gemm, grouped_swiglu
 from djax.models.layers import takes_fp8_grouped
+from djax.quant import has_ue8m0_scales
 
 # Picks per expert decide the tile height: small tiles waste less padding at decode sizes.
 DECODE_CFG = GemmConfig(block_m=16, block_n=128, block_k=128, num_warps=4, num_stages=4)
@@ -165,7 +166,8 @@ def moe_experts_fp8(
     swiglu_cfg: GemmConfig | None = None,
 ) -> jax.Array:
     """Routed experts with FP8 weights (each `takes_fp8_grouped`) read as stored: x and the SwiGLU output are
-    quantized to e4m3 per row and 128 columns; gate (w1), up (w3) and the SwiGLU are one block-scaled kernel
+    quantized to e4m3 per row and 128 columns (power-of-two scales for weights with UE8M0 scales, as
+    `layers.linear`); gate (w1), up (w3) and the SwiGLU are one block-scaled kernel
     over the picks in expert-contiguous order (`fp8_gemm.grouped_swiglu_contiguous`, its tiles narrowed by
     `swiglu_config` where too few), the down projection (w2) one grouped GEMM (`fp8_gemm.grouped_contiguous`)
     split along K where its tiles are too few for the SMs (`fp8_split`). Contract as `moe_experts`; impl as in
@@ -187,7 +189,7 @@ def moe_experts_fp8(
     lay = layout(idx, e, cfg.block_m, impl)
     dt = x.dtype
     scale = lambda w: w.scale.astype(jnp.float32)  # noqa: E731
-    xq, xs = quantize_act(x)
+    xq, xs = quantize_act(x, ue8m0=has_ue8m0_scales(w1))
     h = fp8_gemm.grouped_swiglu_contiguous(
         xq,
         xs,
@@ -203,7 +205,7 @@ def moe_experts_fp8(
         cfg=swiglu_cfg or swiglu_config(cfg, n * k, e, w1.shape[1]),
     )
     # padding rows are zeroed: a skipped tile leaves its rows unwritten (any bits, nan included)
-    hq, hs = quantize_act(jnp.where((lay.m_indices >= 0)[:, None], h, 0.0))
+    hq, hs = quantize_act(jnp.where((lay.m_indices >= 0)[:, None], h, 0.0), ue8m0=has_ue8m0_scales(w2))
     c = fp8_split(cfg, n * k, e, *w2.shape[1:])
     y = fp8_gemm.grouped_contiguous(
         hq, hs, w2.values, scale(w2), lay.m_indices, out_dtype=dt, impl=impl, cfg=c

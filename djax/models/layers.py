@@ -10,7 +10,7 @@ import numpy as np
 
 from djax.config import ModelConfig
 from djax.kernels import dispatch
-from djax.quant import QArray, dense
+from djax.quant import QArray, dense, has_ue8m0_scales
 
 
 def rms_norm(x: jax.Array, weight: jax.Array | None, eps: float) -> jax.Array:
@@ -114,8 +114,8 @@ def linear(x: jax.Array, w: jax.Array, fp8: str | None = None) -> jax.Array:
     """x @ w.T with w in torch layout [out, in].
 
     With `fp8` (an impl of `djax.kernels.fp8_gemm`) and a weight `takes_fp8_gemm` accepts, the product runs
-    as DeepSeek's inference runs it: x quantized to e4m3 per row and 128 columns (dynamic 1x128 scales),
-    then the block-scaled FP8 GEMM, which reads the narrow weight as stored. A weight `takes_fp8_weight_gemm`
+    as DeepSeek's inference runs it: x quantized to e4m3 per row and 128 columns (dynamic 1x128 scales,
+    powers of two where the weight's scales are UE8M0, `has_ue8m0_scales`), then the block-scaled FP8 GEMM, which reads the narrow weight as stored. A weight `takes_fp8_weight_gemm`
     accepts (V4.1's 32 x 32 blocks) is read as stored by `fp8_weight_gemm` for up to FP8_WEIGHT_MAX_ROWS
     rows, x as it is: the dense path's product without the dense copy. Otherwise, and for fp8 None, the
     weight is made dense in x's dtype first."""
@@ -128,7 +128,7 @@ def linear(x: jax.Array, w: jax.Array, fp8: str | None = None) -> jax.Array:
     if takes_fp8_gemm(w):
         from djax.kernels.fp8_gemm_ref import quantize_act
 
-        a, a_scale = quantize_act(rows)
+        a, a_scale = quantize_act(rows, ue8m0=has_ue8m0_scales(w))
         y = partition.fp8_gemm(fp8)(a, a_scale, w.values, w.scale.astype(jnp.float32), x.dtype)
     elif takes_fp8_weight_gemm(w) and rows.shape[0] <= FP8_WEIGHT_MAX_ROWS:
         y = partition.fp8_weight_gemm(fp8)(rows, w.values, w.scale, w.block)

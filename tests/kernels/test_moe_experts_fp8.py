@@ -28,16 +28,23 @@ from djax.quant import QArray, quantize
 E4M3 = ml_dtypes.float8_e4m3fn
 
 
-def _np_quantize_rows(x):
-    """Each row's 128-column groups scaled to a max of 448 and rounded to e4m3, dequantized (float64)."""
+def _np_quantize_rows(x, ue8m0=False):
+    """Each row's 128-column groups scaled to a max of 448 and rounded to e4m3, dequantized (float64). ue8m0:
+    the scale, from an amax floored at 1e-4, rounded up to a power of two (frexp's exponent, one less for an
+    exact power), so the group's max lands in [224, 448]."""
     m, k = x.shape
     g = x.reshape(m, k // 128, 128)
-    s = np.maximum(np.abs(g).max(-1, keepdims=True), 1e-12) / 448.0
+    if ue8m0:
+        s = np.maximum(np.abs(g).max(-1, keepdims=True), 1e-4).astype(np.float32) * np.float32(1 / 448)
+        mant, ex = np.frexp(s.astype(np.float64))
+        s = np.ldexp(1.0, np.where(mant == 0.5, ex - 1, ex))
+    else:
+        s = np.maximum(np.abs(g).max(-1, keepdims=True), 1e-12) / 448.0
     return ((g / s).astype(np.float32).astype(E4M3).astype(np.float64) * s).reshape(m, k)
 
 
 def _np_dense(w: QArray):
-    s = np.repeat(np.repeat(np.asarray(w.scale, np.float64), 128, -2), 128, -1)
+    s = np.repeat(np.repeat(np.asarray(w.scale.astype(jnp.float32), np.float64), 128, -2), 128, -1)
     return np.asarray(w.values).astype(np.float64) * s
 
 
@@ -47,7 +54,8 @@ def _np_moe_fp8(x, weights, idx, w1, w2, w3, limit):
     x = np.asarray(x, np.float64)
     d1, d2, d3 = _np_dense(w1), _np_dense(w2), _np_dense(w3)
     e = d1.shape[0]
-    xq = _np_quantize_rows(x)
+    ue8m0 = w1.scale.dtype == ml_dtypes.float8_e8m0fnu  # the weights' scale format sets the activations'
+    xq = _np_quantize_rows(x, ue8m0)
     out = np.zeros_like(x)
     for t, (ids, ws) in enumerate(zip(np.asarray(idx), np.asarray(weights, np.float64))):
         for ex, wt in zip(ids, ws):
@@ -57,13 +65,13 @@ def _np_moe_fp8(x, weights, idx, w1, w2, w3, limit):
             if limit > 0:
                 gate, up = np.minimum(gate, limit), np.clip(up, -limit, limit)
             h = gate / (1 + np.exp(-gate)) * up
-            out[t] += wt * (d2[ex] @ _np_quantize_rows(h[None])[0])
+            out[t] += wt * (d2[ex] @ _np_quantize_rows(h[None], ue8m0)[0])
     return out
 
 
-def _inputs(seed, n, d, f, e, k):
+def _inputs(seed, n, d, f, e, k, scale_fmt=None):
     """Uneven loads (one expert takes more picks than a 16-row tile, two none) and uneven magnitudes, so that
-    every weight block and activation group has a scale of its own."""
+    every weight block and activation group has a scale of its own; weight scales as `scale_fmt` says."""
     rng = np.random.default_rng(seed)
     probs = np.r_[0.5, 0.2, 0.0, 0.0, np.full(e - 4, 0.3 / (e - 4))]
     idx = np.stack([rng.choice(e, k, replace=False, p=probs) for _ in range(n)]).astype(np.int32)
@@ -72,14 +80,19 @@ def _inputs(seed, n, d, f, e, k):
 
     def w(o, i):
         uneven = np.linspace(0.3, 2.0, o)[:, None] * np.linspace(2.0, 0.5, i)[None, :]
-        return quantize(jnp.asarray(rng.standard_normal((e, o, i)) * i**-0.5 * uneven, jnp.float32))
+        w = rng.standard_normal((e, o, i)) * i**-0.5 * uneven
+        return quantize(jnp.asarray(w, jnp.float32), scale_fmt=scale_fmt)
 
     return jnp.asarray(x), jnp.asarray(weights), jnp.asarray(idx), w(f, d), w(d, f), w(f, d)
 
 
-@pytest.mark.parametrize("n,limit", [(37, 1.5), (37, 0.0), (1, 1.5)])
-def test_ref_matches_numpy(n, limit):
-    x, weights, idx, w1, w2, w3 = _inputs(n, n, 256, 128, 6, 3)
+@pytest.mark.parametrize(
+    "n,limit,scale_fmt", [(37, 1.5, None), (37, 0.0, None), (1, 1.5, None), (37, 1.5, "ue8m0")]
+)
+def test_ref_matches_numpy(n, limit, scale_fmt):
+    """scale_fmt "ue8m0": weights with power-of-two scales, whose activations (x, and the SwiGLU output before
+    the down projection) are quantized with power-of-two scales too, as DeepSeek's inference does."""
+    x, weights, idx, w1, w2, w3 = _inputs(n, n, 256, 128, 6, 3, scale_fmt)
     idx = idx.at[0, 1].set(-1).at[n // 2, 0].set(6)  # ids outside [0, e): dropped
     got = np.asarray(jax.jit(lambda *a: moe_experts_fp8(*a, limit, impl="ref"))(x, weights, idx, w1, w2, w3))
     want = _np_moe_fp8(x, weights, idx, w1, w2, w3, limit)

@@ -29,24 +29,33 @@ FAST_COMPILE = {"xla_backend_optimization_level": 0}
 
 def _numpy_fp8_linear(x, w: QArray):
     """Brute force: each row's 128-column groups scaled to a max of 448, rounded to e4m3 (ml_dtypes), times
-    the dequantized weight, in float64."""
+    the dequantized weight, in float64. For a weight with UE8M0 scales the activations' scale is rounded up
+    to a power of two (from an amax floored at 1e-4), the group's max then at 224-448."""
     x = np.asarray(x, np.float64).reshape(-1, x.shape[-1])
     m, k = x.shape
     groups = x.reshape(m, k // 128, 128)
-    scale = np.maximum(np.abs(groups).max(-1, keepdims=True), 1e-12) / 448.0
+    if w.scale.dtype == ml_dtypes.float8_e8m0fnu:
+        amax = np.maximum(np.abs(groups).max(-1, keepdims=True), 1e-4).astype(np.float32)
+        mant, ex = np.frexp((amax * np.float32(1 / 448)).astype(np.float64))
+        scale = np.ldexp(1.0, np.where(mant == 0.5, ex - 1, ex))
+    else:
+        scale = np.maximum(np.abs(groups).max(-1, keepdims=True), 1e-12) / 448.0
     q = (groups / scale).astype(np.float32).astype(ml_dtypes.float8_e4m3fn).astype(np.float64)
     xq = (q * scale).reshape(m, k)
-    s = np.repeat(np.repeat(np.asarray(w.scale, np.float64), 128, 0), 128, 1)
+    s = np.repeat(np.repeat(np.asarray(w.scale.astype(jnp.float32), np.float64), 128, 0), 128, 1)
     wd = np.asarray(w.values).astype(np.float64) * s[: w.values.shape[0], : w.values.shape[1]]
     return xq @ wd.T
 
 
-def test_linear_fp8_ref_matches_numpy():
+@pytest.mark.parametrize("scale_fmt", [None, "ue8m0"])
+def test_linear_fp8_ref_matches_numpy(scale_fmt):
+    """scale_fmt "ue8m0": a weight with power-of-two (UE8M0) scales, as DeepSeek V4 ships them, whose
+    activations DeepSeek's inference quantizes with power-of-two scales too."""
     kx, kw = jax.random.split(jax.random.key(0))
     # uneven magnitudes, so that every activation group and weight block has a scale of its own
     x = jax.random.normal(kx, (2, 3, 256), jnp.float32) * jnp.linspace(0.1, 4.0, 256)
     uneven = jnp.linspace(0.2, 3.0, 384)[:, None] * jnp.linspace(3.0, 0.5, 256)[None, :]
-    w = quantize(jax.random.normal(kw, (384, 256), jnp.float32) * 0.05 * uneven)
+    w = quantize(jax.random.normal(kw, (384, 256), jnp.float32) * 0.05 * uneven, scale_fmt=scale_fmt)
     assert takes_fp8_gemm(w)
     got = np.asarray(linear(x, w, fp8="ref"), np.float64).reshape(6, 384)
     want = _numpy_fp8_linear(x, w)
@@ -54,6 +63,14 @@ def test_linear_fp8_ref_matches_numpy():
     # the activations' rounding is there: the dense path differs by far more than float32 error
     plain = np.asarray(linear(x, w), np.float64).reshape(6, 384)
     assert np.abs(plain - want).max() > 1e-3 * np.abs(want).max()
+    # and the scale rule is the weight's: the same codes and scale values held as float32 take amax / 448
+    other = (
+        QArray(w.values, w.scale.astype(jnp.float32), w.block)
+        if scale_fmt
+        else quantize(w.dense(jnp.float32), scale_fmt="ue8m0")
+    )
+    other_out = np.asarray(linear(x, other, fp8="ref"), np.float64).reshape(6, 384)
+    assert np.abs(other_out - got).max() > 1e-3 * np.abs(want).max()
 
 
 @pytest.mark.parametrize(
@@ -61,10 +78,11 @@ def test_linear_fp8_ref_matches_numpy():
     [
         (lambda w: w.astype(jnp.bfloat16), False),  # a plain weight: dense
         (lambda w: quantize(w, (32, 32)), True),  # V4.1's 32x32 blocks
+        (lambda w: quantize(w, (32, 32), "ue8m0"), True),  # the same with UE8M0 scales
         (lambda w: quantize(w[:192]), True),  # out not a multiple of 128
         (lambda w: quantize(w, (32, 48)), False),  # a block's input side not dividing 128: dense
     ],
-    ids=["plain", "blocks32", "out192", "blocks32x48"],
+    ids=["plain", "blocks32", "blocks32_ue8m0", "out192", "blocks32x48"],
 )
 def test_linear_takes_other_fp8_blocks_as_stored_or_makes_them_dense(make, weight_only, monkeypatch):
     """FP8 weights `fp8_gemm` does not take: those `fp8_weight_gemm` reads go there (the activations not
@@ -233,10 +251,11 @@ def _typical_error(out) -> float:
     return float(np.median(np.abs(out["ref"] - out["off"]).max(-1)) / np.abs(out["off"]).max())
 
 
-def _v4_fp8_model():
-    """The FP8 tiny-v4 and what one pass over its layers traces: {op: sorted weight shapes}."""
+def _v4_fp8_model(scale_fmt=None):
+    """The FP8 tiny-v4 (block scales as `scale_fmt` says) and what one pass over its layers traces: {op:
+    sorted weight shapes}."""
     cfg = _config()
-    params = quantize_projections(init_params_host(cfg), cfg)
+    params = quantize_projections(init_params_host(cfg), cfg, scale_fmt=scale_fmt)
     projections = sorted(
         tuple(w.values.shape)
         for name, w in flatten_names(params).items()
@@ -252,11 +271,13 @@ def _v4_fp8_model():
     return cfg, params, expected
 
 
-def test_decode_runs_fp8_weights_through_fp8_kernels(monkeypatch):
+@pytest.mark.parametrize("scale_fmt", [None, "ue8m0"])
+def test_decode_runs_fp8_weights_through_fp8_kernels(monkeypatch, scale_fmt):
     """kernels="ref": every 128-multiple projection of a decode step goes through fp8_gemm (once per trace) and
     every layer's routed experts through the FP8 gate/up kernel and one FP8 grouped GEMM; the logits stay
-    near the dense path's, which does not round activations."""
-    cfg, params, expected = _v4_fp8_model()
+    near the dense path's, which does not round activations. "ue8m0": V4's power-of-two weight scales, and
+    so power-of-two activation scales, through the same ops."""
+    cfg, params, expected = _v4_fp8_model(scale_fmt)
     calls = _record_fp8_kernels(monkeypatch)
 
     b, n = 2, 24
