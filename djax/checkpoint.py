@@ -107,42 +107,32 @@ class _Source:
         """Copy out `index` (a tuple of slices, as `make_array_from_callback` passes) in `dtype`.
 
         Bytes are reinterpreted, not converted, between int8 and uint8 (packed FP4 codes) and from
-        uint8 to float8_e8m0fnu (UE8M0 exponents); every other pair converts values (floats to
-        float8_e8m0fnu only where each is a power of two, `_ue8m0_from_float`).
+        uint8 to float8_e8m0fnu (UE8M0 exponents); every other pair converts values, floats to
+        float8_e8m0fnu only where each is a power of two.
         """
         index = tuple(index)
-
-        def copy(t: _Tensor, where: tuple) -> np.ndarray:
-            a = t.array(scale)[where]
-            if dtype is not None and np.dtype(dtype) == E8M0 and a.dtype not in (np.int8, np.uint8, E8M0):
-                return _ue8m0_from_float(a, t.scale[1])
-            return _copy(a, dtype)
-
+        name = (lambda t: t.scale[1]) if scale else (lambda t: t.raw)
         if not self.stacked:
-            return copy(self.parts[0], index)
+            t = self.parts[0]
+            return _copy(t.array(scale)[index], dtype, name(t))
         lead, rest = (index[0], index[1:]) if index else (slice(None), ())
-        return np.stack([copy(t, rest) for t in self.parts[lead]])
+        return np.stack([_copy(t.array(scale)[rest], dtype, name(t)) for t in self.parts[lead]])
 
 
-def _ue8m0_from_float(a: np.ndarray, name: str) -> np.ndarray:
-    """Float scales of a checkpoint whose config says `"scale_fmt": "ue8m0"` as float8_e8m0fnu; each must be
-    a power of two (the conversion would round any other)."""
-    out = np.asarray(a, np.float32).astype(E8M0)
-    bad = out.astype(np.float32) != np.asarray(a, np.float32)
-    if bad.any():
-        where = tuple(int(i) for i in np.argwhere(bad)[0])
-        raise CheckpointError(
-            f"scale {name!r} holds {float(np.asarray(a)[where])} at {where}, not a power of two, but "
-            'config.json\'s quantization_config says "scale_fmt": "ue8m0"'
-        )
-    return out
-
-
-def _copy(a: np.ndarray, dtype) -> np.ndarray:
+def _copy(a: np.ndarray, dtype, name: str) -> np.ndarray:
     dtype = a.dtype if dtype is None else np.dtype(dtype)
     if a.itemsize == 1 and a.dtype in (np.int8, np.uint8) and dtype in (np.int8, np.uint8, E8M0):
         return np.array(a).view(dtype)
-    return np.array(a, dtype=dtype)
+    out = np.array(a, dtype=dtype)
+    if dtype == E8M0 and a.dtype != E8M0:  # the conversion rounds: float scales must be powers of two
+        bad = out.astype(np.float32) != np.asarray(a, np.float32)
+        if bad.any():
+            where = tuple(int(i) for i in np.argwhere(bad)[0])
+            raise CheckpointError(
+                f"scale {name!r} holds {float(np.asarray(a)[where])} at {where}, not a power of two, but "
+                'config.json\'s quantization_config says "scale_fmt": "ue8m0"'
+            )
+    return out
 
 
 def _disk_name(name: str) -> str:
@@ -278,10 +268,14 @@ def _dequantize(q: QArray, dtype) -> jax.Array:
     return q.dense(dtype)
 
 
-def _fp4_scale_dtype(src: _Source) -> np.dtype:
-    """UE8M0 exponent bytes become float8_e8m0fnu (same bits); float scales keep their dtype."""
-    d = src.parts[0].array(scale=True).dtype
-    return E8M0 if d in (np.uint8, E8M0) else d
+def _scale_dtype(src: _Source, quant) -> np.dtype:
+    """The dtype a quantized weight's scale loads in: UE8M0 (float8_e8m0fnu) where stored so (U8 exponent
+    bytes, the same bits, for FP4) or, for FP8, where config.json says `"scale_fmt": "ue8m0"`; otherwise
+    float32 for FP8 and the stored float dtype for FP4."""
+    stored = src.parts[0].array(scale=True).dtype
+    if stored == E8M0 or (src.fp4 and stored == np.uint8) or (not src.fp4 and quant.scale_fmt == "ue8m0"):
+        return E8M0
+    return stored if src.fp4 else np.dtype(np.float32)
 
 
 def _load(src: _Source, p: Param, config: ModelConfig, quant, keep_quantized: bool, sharding):
@@ -296,16 +290,12 @@ def _load(src: _Source, p: Param, config: ModelConfig, quant, keep_quantized: bo
         # Packed [.., o, i / 2] and scale [.., o, i / 32] shard like the weight where their dims divide.
         values = _put(src, np.uint8, scale_sharding(sharding, src.shape()))
         scale_shard = scale_sharding(sharding, src.shape(scale=True))
-        scale = _put(src, _fp4_scale_dtype(src), scale_shard, scale=True)
+        scale = _put(src, _scale_dtype(src, quant), scale_shard, scale=True)
         q = from_fp4(values, scale)
     else:
         values = _put(src, src.parts[0].array().dtype, sharding)
-        stored = src.parts[0].array(scale=True).dtype
-        ue8m0 = stored == E8M0 or quant.scale_fmt == "ue8m0"
-        scale = _put(
-            src, E8M0 if ue8m0 else np.float32, scale_sharding(sharding, src.shape(scale=True)), scale=True
-        )
-        q = QArray(values, scale, quant.block)
+        scale_shard = scale_sharding(sharding, src.shape(scale=True))
+        q = QArray(values, _put(src, _scale_dtype(src, quant), scale_shard, scale=True), quant.block)
     if keep_quantized and p.dtype is None:
         return q
     out = _dequantize(q, dtype)

@@ -167,10 +167,10 @@ def moe_experts_fp8(
 ) -> jax.Array:
     """Routed experts with FP8 weights (each `takes_fp8_grouped`) read as stored: x and the SwiGLU output are
     quantized to e4m3 per row and 128 columns (power-of-two scales for weights with UE8M0 scales, as
-    `layers.linear`); gate (w1), up (w3) and the SwiGLU are one block-scaled kernel
-    over the picks in expert-contiguous order (`fp8_gemm.grouped_swiglu_contiguous`, its tiles narrowed by
-    `swiglu_config` where too few), the down projection (w2) one grouped GEMM (`fp8_gemm.grouped_contiguous`)
-    split along K where its tiles are too few for the SMs (`fp8_split`). Contract as `moe_experts`; impl as in
+    `layers.linear`); gate (w1), up (w3) and the SwiGLU are one block-scaled kernel over the picks in
+    expert-contiguous order (`fp8_gemm.grouped_swiglu_contiguous`, its tiles narrowed by `swiglu_config` where
+    too few), the down projection (w2) one grouped GEMM (`fp8_gemm.grouped_contiguous`) split along K where
+    its tiles are too few for the SMs (`fp8_split`). Contract as `moe_experts`; impl as in
     `grouped_contiguous` ("ref" the jnp spec); `swiglu_cfg` the fused kernel's tiles (block_m as cfg's), None
     for `swiglu_config`'s. Returns [n, d] in x's dtype.
 

@@ -24,23 +24,7 @@ from djax.kernels.moe_experts import (
     swiglu_config,
 )
 from djax.quant import QArray, quantize
-
-E4M3 = ml_dtypes.float8_e4m3fn
-
-
-def _np_quantize_rows(x, ue8m0=False):
-    """Each row's 128-column groups scaled to a max of 448 and rounded to e4m3, dequantized (float64). ue8m0:
-    the scale, from an amax floored at 1e-4, rounded up to a power of two (frexp's exponent, one less for an
-    exact power), so the group's max lands in [224, 448]."""
-    m, k = x.shape
-    g = x.reshape(m, k // 128, 128)
-    if ue8m0:
-        s = np.maximum(np.abs(g).max(-1, keepdims=True), 1e-4).astype(np.float32) * np.float32(1 / 448)
-        mant, ex = np.frexp(s.astype(np.float64))
-        s = np.ldexp(1.0, np.where(mant == 0.5, ex - 1, ex))
-    else:
-        s = np.maximum(np.abs(g).max(-1, keepdims=True), 1e-12) / 448.0
-    return ((g / s).astype(np.float32).astype(E4M3).astype(np.float64) * s).reshape(m, k)
+from tests.fp8_numpy import quantize_rows
 
 
 def _np_dense(w: QArray):
@@ -55,7 +39,7 @@ def _np_moe_fp8(x, weights, idx, w1, w2, w3, limit):
     d1, d2, d3 = _np_dense(w1), _np_dense(w2), _np_dense(w3)
     e = d1.shape[0]
     ue8m0 = w1.scale.dtype == ml_dtypes.float8_e8m0fnu  # the weights' scale format sets the activations'
-    xq = _np_quantize_rows(x, ue8m0)
+    xq = quantize_rows(x, ue8m0)
     out = np.zeros_like(x)
     for t, (ids, ws) in enumerate(zip(np.asarray(idx), np.asarray(weights, np.float64))):
         for ex, wt in zip(ids, ws):
@@ -65,7 +49,7 @@ def _np_moe_fp8(x, weights, idx, w1, w2, w3, limit):
             if limit > 0:
                 gate, up = np.minimum(gate, limit), np.clip(up, -limit, limit)
             h = gate / (1 + np.exp(-gate)) * up
-            out[t] += wt * (d2[ex] @ _np_quantize_rows(h[None], ue8m0)[0])
+            out[t] += wt * (d2[ex] @ quantize_rows(h[None], ue8m0)[0])
     return out
 
 

@@ -23,6 +23,7 @@ from djax.models.layers import (
 )
 from djax.params import flatten_names, init_params_host
 from djax.quant import QArray, quantize
+from tests.fp8_numpy import quantize_rows
 
 FAST_COMPILE = {"xla_backend_optimization_level": 0}
 
@@ -31,17 +32,8 @@ def _numpy_fp8_linear(x, w: QArray):
     """Brute force: each row's 128-column groups scaled to a max of 448, rounded to e4m3 (ml_dtypes), times
     the dequantized weight, in float64. For a weight with UE8M0 scales the activations' scale is rounded up
     to a power of two (from an amax floored at 1e-4), the group's max then at 224-448."""
-    x = np.asarray(x, np.float64).reshape(-1, x.shape[-1])
-    m, k = x.shape
-    groups = x.reshape(m, k // 128, 128)
-    if w.scale.dtype == ml_dtypes.float8_e8m0fnu:
-        amax = np.maximum(np.abs(groups).max(-1, keepdims=True), 1e-4).astype(np.float32)
-        mant, ex = np.frexp((amax * np.float32(1 / 448)).astype(np.float64))
-        scale = np.ldexp(1.0, np.where(mant == 0.5, ex - 1, ex))
-    else:
-        scale = np.maximum(np.abs(groups).max(-1, keepdims=True), 1e-12) / 448.0
-    q = (groups / scale).astype(np.float32).astype(ml_dtypes.float8_e4m3fn).astype(np.float64)
-    xq = (q * scale).reshape(m, k)
+    ue8m0 = w.scale.dtype == ml_dtypes.float8_e8m0fnu
+    xq = quantize_rows(np.asarray(x, np.float64).reshape(-1, x.shape[-1]), ue8m0)
     s = np.repeat(np.repeat(np.asarray(w.scale.astype(jnp.float32), np.float64), 128, 0), 128, 1)
     wd = np.asarray(w.values).astype(np.float64) * s[: w.values.shape[0], : w.values.shape[1]]
     return xq @ wd.T
