@@ -663,10 +663,12 @@ def moe_fp4_cases(record, small: bool):
     def dense_on_use(x, w, i, *ws):
         return moe_experts(x, w, i, *(dense(q, x.dtype) for q in ws), LIMIT, impl="triton")
 
-    # FP4 tiles take a third of bf16's shared memory, so deeper pipelines fit: 8 stages at decode
+    # FP4 tiles take a third of bf16's shared memory, so deeper pipelines fit: 8 stages at decode; 8 warps
+    # hold twice the warps an SM runs at decode, where one CTA of 4 warps an SM decodes the tiles
     tilings = [
         DECODE_CFG,
         replace(DECODE_CFG, num_stages=8),
+        replace(DECODE_CFG, num_warps=8),
         GemmConfig(16, 64, 128, 4, 4),
         PREFILL_CFG,
         GemmConfig(64, 128, 128, 4, 4),
