@@ -649,7 +649,7 @@ def moe_fp4_cases(record, small: bool):
     made dense) on the first tokens."""
     from djax.fp4 import random_fp4
     from djax.kernels.grouped_gemm_triton import Fp4Config
-    from djax.kernels.moe_experts import PREFILL_CFG, default_config
+    from djax.kernels.moe_experts import FP4_FEW_PICKS_CFG, PREFILL_CFG, default_config
     from djax.quant import dense
 
     d, f, e, k = (5120, 2304, 384, 6) if not small else (256, 128, 8, 2)
@@ -669,6 +669,7 @@ def moe_fp4_cases(record, small: bool):
         DECODE_CFG,
         replace(DECODE_CFG, num_stages=8),
         replace(DECODE_CFG, num_warps=8),
+        FP4_FEW_PICKS_CFG,
         GemmConfig(16, 64, 128, 4, 4),
         PREFILL_CFG,
         GemmConfig(64, 128, 128, 4, 4),
@@ -692,7 +693,7 @@ def moe_fp4_cases(record, small: bool):
             touched * per_expert["bf16"],
             tr,
         )
-        default = default_config(n * k, e)
+        default = default_config(n * k, e, fp4=True)
         label = lambda c: f"fp4 read as stored {tiles(c)}"  # noqa: E731
         variants = [(label(c) + (" (default)" if c == default else ""), c) for c in tilings]
         bits = Fp4Config(**vars(default), fp4_decode="bits")

@@ -21,7 +21,7 @@ from djax.kernels.fp8_gemm_ref import quantize_act
 from djax.kernels.fp8_gemm_triton import Fp8Config, fewest_splits
 from djax.kernels.grouped_gemm import GemmConfig, grouped_gemm, grouped_swiglu
 from djax.models.layers import takes_fp8_grouped
-from djax.quant import has_ue8m0_scales
+from djax.quant import has_ue8m0_scales, is_ue8m0_fp4
 
 # Picks per expert decide the tile height: small tiles waste less padding at decode sizes.
 DECODE_CFG = GemmConfig(block_m=16, block_n=128, block_k=128, num_warps=4, num_stages=4)
@@ -31,6 +31,12 @@ PREFILL_CFG = GemmConfig(block_m=64, block_n=128, block_k=64, num_warps=4, num_s
 # `swiglu_config`'s columns, the down GEMM these. H200, V4-Flash experts (bench_kernels --only moe_fp8,
 # kernels_h200_moe_fp8_fused_default.json): 1 / 32 / 128 tokens 56.4 / 243 / 389 us with 16-row tiles (64
 # rows: 64.3 / 303 / 440); 4,096 tokens 2,284 us with 64 (128 rows, 8 warps: 2,611).
+# FP4 weights read as stored, while there are fewer picks than half the experts (most touched experts get
+# one row): 256-wide K steps with 8 warps, so each K step decodes twice the codes. H100, V4.1-Flash experts
+# (384 x 2304 x 5120, top-6), three alternating rounds: 1 / 4 / 16 / 32 tokens 81.8-82.5 / 166.9-167.1 /
+# 273.9-274.9 / 396.2-398.1 us against 90.3-90.8 / 213.0-215.0 / 292.9-294.0 / 407.7-411.5 with DECODE_CFG;
+# at 64 tokens (384 picks) 555.8-563.0 against 545.6-555.9, so DECODE_CFG from there.
+FP4_FEW_PICKS_CFG = GemmConfig(block_m=16, block_n=128, block_k=256, num_warps=8, num_stages=3)
 FP8_DECODE_CFG = GemmConfig(block_m=16, block_n=128, block_k=128, num_warps=4, num_stages=4)
 FP8_PREFILL_CFG = GemmConfig(block_m=64, block_n=128, block_k=128, num_warps=4, num_stages=4)
 
@@ -108,7 +114,10 @@ def layout_ref(idx, num_experts: int, block_m: int) -> Layout:
     return Layout(rows, m_indices, pos)
 
 
-def default_config(n_picks: int, num_experts: int) -> GemmConfig:
+def default_config(n_picks: int, num_experts: int, fp4: bool = False) -> GemmConfig:
+    """`moe_experts`' tiles when none are given, by picks per expert; fp4: the weights are FP4 read as stored."""
+    if fp4 and 2 * n_picks <= num_experts:
+        return FP4_FEW_PICKS_CFG
     return DECODE_CFG if n_picks <= 4 * num_experts else PREFILL_CFG
 
 
@@ -233,7 +242,7 @@ def moe_experts(
     """
     n, d = x.shape
     e, k = w1.shape[0], idx.shape[1]
-    cfg = cfg or default_config(n * k, e)
+    cfg = cfg or default_config(n * k, e, fp4=all(is_ue8m0_fp4(w) for w in (w1, w2, w3)))
     lay = layout(idx, e, cfg.block_m, impl)
     dt = x.dtype
     h = grouped_swiglu(x, w1, w3, lay.m_indices, limit, lay.rows, impl, cfg)

@@ -75,3 +75,24 @@ def test_grouped_variants_flip_half_tiles_and_cut_trailing_padding(grouped):
     assert names["default, rows to the last group"][1] == 256 and names["default"][1] == mi.size
     names = {name for name, _, _ in grouped.variants(mi[:256], 4096, 7168)}
     assert names == {"default", "half_tiles"}  # no trailing padding; half tiles not the default at k 7168
+
+
+def test_fp4_tilings_parse_and_plot(tmp_path, monkeypatch):
+    """ab_fp4_tilings' tiling names become the configs they name, and --plot draws an earlier run's rows
+    (the first tiling as the baseline) where matplotlib is installed."""
+    import ab_fp4_tilings
+
+    from djax.kernels.grouped_gemm_triton import GemmConfig
+
+    assert ab_fp4_tilings.parse_tiling("16x128x256w8s3") == GemmConfig(16, 128, 256, 8, 3)
+    rows = [
+        dict(n=1, cfg=c, round=r, us=us + r, of_copy=0.5 * 80 / (us + r))
+        for r in range(2)
+        for c, us in (("a", 80.0), ("b", 90.0))
+    ]
+    run = tmp_path / "run.json"
+    run.write_text(json.dumps(dict(device="gpu", copy=3e12, rows=rows)))
+    monkeypatch.setattr(sys, "argv", ["ab_fp4_tilings.py", "--plot", str(run)])
+    ab_fp4_tilings.main()
+    pytest.importorskip("matplotlib")
+    assert (tmp_path / "run.png").stat().st_size > 0

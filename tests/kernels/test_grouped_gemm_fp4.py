@@ -161,6 +161,27 @@ def test_moe_experts_reads_fp4_as_stored_and_matches_the_model(n):
     assert not [v for v in made if jnp.issubdtype(v.dtype, jnp.floating)], made
 
 
+@needs_triton_interp
+def test_fp4_takes_its_few_picks_tiles_by_default(monkeypatch):
+    """With fewer picks than half the experts, `moe_experts` given no tiles runs FP4 weights on
+    FP4_FEW_PICKS_CFG (256-wide K steps: here one partial step in each GEMM, K 64 and 96) and still matches
+    the model's dense twin; bf16 weights, and FP4 at more picks, keep DECODE_CFG."""
+    from djax.kernels import moe_experts as mx
+
+    assert mx.default_config(4, 8, fp4=True) == mx.FP4_FEW_PICKS_CFG
+    assert mx.default_config(5, 8, fp4=True) == mx.DECODE_CFG
+    assert mx.default_config(4, 8) == mx.DECODE_CFG
+    taken = []
+    down = mx.grouped_gemm
+    monkeypatch.setattr(mx, "grouped_gemm", lambda *a, **kw: taken.append(a[5]) or down(*a, **kw))
+    rng = np.random.default_rng(11)
+    x, weights, idx, w1, w2, w3 = _moe_fp4_inputs(rng, 1, 64, 96, 8, 3)
+    out = moe_experts(x, weights, idx, w1, w2, w3, 1.5, impl="interpret")
+    want = jax.jit(lambda *a: experts_dense(*a, 1.5))(x, weights, idx, w1, w2, w3)
+    assert taken == [mx.FP4_FEW_PICKS_CFG]
+    assert_close(out, want, 1e-5)
+
+
 def test_fp4_with_float_scales_is_made_dense_and_still_right():
     """The format's QArray also allows float scales; the kernels read only UE8M0 bytes, so such weights take
     the dense route, through the reference here."""
@@ -207,7 +228,7 @@ def test_fp4_weights_of_the_wrong_width_are_named(impl):
 
 @pytest.mark.parametrize("asm", [True, False], ids=["ptx_decode", "bits_decode"])
 @pytest.mark.parametrize("fused", [True, False], ids=["gate_up", "down"])
-@pytest.mark.parametrize("tiles", ["decode", "prefill"])
+@pytest.mark.parametrize("tiles", ["few_picks", "decode", "prefill"])
 def test_fp4_kernels_compile_to_sm90_cubins(fused, tiles, asm):
     """The FP4 kernels at V4.1-Flash's expert shapes (d 5120, f 2304) with `moe_experts`' default tiles
     compile for sm_90 within its shared memory (no GPU needed): uint8 operands included, and the inline PTX
@@ -215,9 +236,9 @@ def test_fp4_kernels_compile_to_sm90_cubins(fused, tiles, asm):
     pytest.importorskip("triton")
     from djax.ffi.cubin import MAX_SHARED_BYTES, compile_triton
     from djax.kernels import grouped_gemm_triton as tk
-    from djax.kernels.moe_experts import DECODE_CFG, PREFILL_CFG
+    from djax.kernels.moe_experts import DECODE_CFG, FP4_FEW_PICKS_CFG, PREFILL_CFG
 
-    cfg = DECODE_CFG if tiles == "decode" else PREFILL_CFG
+    cfg = {"few_picks": FP4_FEW_PICKS_CFG, "decode": DECODE_CFG, "prefill": PREFILL_CFG}[tiles]
     n, k = (2304, 5120) if fused else (5120, 2304)
     cx = tk.constexprs(384 * cfg.block_m, n, k, 0, False, fused, cfg, fp4=True, asm=asm)
     assert cx["FP4_ASM"] == asm
