@@ -66,16 +66,11 @@ def main():
     import jax.numpy as jnp
     import numpy as np
     from bench_kernels import bench, measure_ceilings
-    from bench_moe import LIMIT, routed_sets
+    from bench_moe import LIMIT, fp4_experts, routed_sets
 
-    from djax.fp4 import random_fp4
     from djax.kernels.moe_experts import moe_experts
 
-    d, f, e, k = 5120, 2304, 384, 6
-    keys = jax.random.split(jax.random.key(7), 3)  # bench_moe.moe_fp4_cases' weights
-    q1, q3 = random_fp4(keys[0], (e, f, d), 118, 121), random_fp4(keys[1], (e, f, d), 118, 121)
-    q2 = random_fp4(keys[2], (e, d, f), 118, 121)
-    per_expert = sum(q.nbytes for q in (q1, q2, q3)) // e
+    d, f, e, k, (q1, q2, q3), per_expert = fp4_experts(small=False)  # bench_kernels --only moe_fp4's
     bw, _ = measure_ceilings()
     print(f"copy {bw / 1e12:.2f} TB/s", flush=True)
     cfgs = [parse_tiling(s) for s in args.tilings.split(",")]

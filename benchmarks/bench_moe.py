@@ -640,6 +640,19 @@ def moe_fp8_cases(record, small: bool):
             )
 
 
+def fp4_experts(small: bool):
+    """V4.1-Flash's routed experts as FP4 (d 5120, f 2304, e 384, top-6; tiny shapes with small): (d, f, e,
+    k, (w1, w2, w3) as FP4 QArrays with UE8M0 scales, FP4 bytes per expert). Every e2m1 code; scales 2^-9 ..
+    2^-7, so O(1) activations stay O(1) through both GEMMs at these widths."""
+    from djax.fp4 import random_fp4
+
+    d, f, e, k = (5120, 2304, 384, 6) if not small else (256, 128, 8, 2)
+    keys = jax.random.split(jax.random.key(7), 3)
+    q1, q3 = random_fp4(keys[0], (e, f, d), 118, 121), random_fp4(keys[1], (e, f, d), 118, 121)
+    q2 = random_fp4(keys[2], (e, d, f), 118, 121)
+    return d, f, e, k, (q1, q2, q3), sum(q.nbytes for q in (q1, q2, q3)) // e
+
+
 def moe_fp4_cases(record, small: bool):
     """Routed experts with FP4 weights (V4.1-Flash: d 5120, f 2304, e 384, top-6; e2m1 codes with per-32
     UE8M0 scales) at decode and prefill token counts: made dense on use then the bf16 grouped GEMMs (the path
@@ -647,17 +660,12 @@ def moe_fp4_cases(record, small: bool):
     tiles decoded in registers by `fp4_decode`'s PTX, per tiling; "auto" the default; and the default tiling
     decoding code by code), and for scale the bf16 kernels on bf16 weights. Bytes: the touched experts' FP4 codes and scales. Checked against the jnp reference (the stack
     made dense) on the first tokens."""
-    from djax.fp4 import random_fp4
     from djax.kernels.grouped_gemm_triton import Fp4Config
     from djax.kernels.moe_experts import FP4_FEW_PICKS_CFG, PREFILL_CFG, default_config
     from djax.quant import dense
 
-    d, f, e, k = (5120, 2304, 384, 6) if not small else (256, 128, 8, 2)
-    keys = jax.random.split(jax.random.key(7), 3)
-    # every e2m1 code; scales 2^-9 .. 2^-7, so O(1) activations stay O(1) through both GEMMs at these widths
-    q1, q3 = random_fp4(keys[0], (e, f, d), 118, 121), random_fp4(keys[1], (e, f, d), 118, 121)
-    q2 = random_fp4(keys[2], (e, d, f), 118, 121)
-    per_expert = {"fp4": sum(q.nbytes for q in (q1, q2, q3)) // e, "bf16": 3 * f * d * 2}
+    d, f, e, k, (q1, q2, q3), fp4_bytes = fp4_experts(small)
+    per_expert = {"fp4": fp4_bytes, "bf16": 3 * f * d * 2}
     check = first_tokens_check(moe_experts)
 
     def dense_on_use(x, w, i, *ws):

@@ -88,11 +88,17 @@ def grouped_swiglu_masked(
     return _run(impl, a, w1, w3, masked_m, None, True, limit, cfg)
 
 
+def reads_fp4(*ws) -> bool:
+    """Whether the kernels read these weights as stored FP4: every one FP4 with UE8M0 scales (one of them
+    otherwise, and all are made dense)."""
+    return all(is_ue8m0_fp4(w) for w in ws)
+
+
 def _weights(a, b, b3):
     """The kernels' weight operands: (values..., scale exponent bytes...) read as stored when every weight is
     FP4 the kernels read, else the weights made dense in a's dtype and no scales."""
     ws = [b] if b3 is None else [b, b3]
-    if all(is_ue8m0_fp4(w) for w in ws):
+    if reads_fp4(*ws):
         return [w.values for w in ws], [fp4.exponent_bytes(w.scale) for w in ws]
     return [dense(w, a.dtype) for w in ws], []
 

@@ -19,9 +19,9 @@ from djax.kernels import fp8_gemm, moe_layout_triton
 from djax.kernels.dispatch import resolve
 from djax.kernels.fp8_gemm_ref import quantize_act
 from djax.kernels.fp8_gemm_triton import Fp8Config, fewest_splits
-from djax.kernels.grouped_gemm import GemmConfig, grouped_gemm, grouped_swiglu
+from djax.kernels.grouped_gemm import GemmConfig, grouped_gemm, grouped_swiglu, reads_fp4
 from djax.models.layers import takes_fp8_grouped
-from djax.quant import has_ue8m0_scales, is_ue8m0_fp4
+from djax.quant import has_ue8m0_scales
 
 # Picks per expert decide the tile height: small tiles waste less padding at decode sizes.
 DECODE_CFG = GemmConfig(block_m=16, block_n=128, block_k=128, num_warps=4, num_stages=4)
@@ -242,7 +242,7 @@ def moe_experts(
     """
     n, d = x.shape
     e, k = w1.shape[0], idx.shape[1]
-    cfg = cfg or default_config(n * k, e, fp4=all(is_ue8m0_fp4(w) for w in (w1, w2, w3)))
+    cfg = cfg or default_config(n * k, e, fp4=reads_fp4(w1, w2, w3))
     lay = layout(idx, e, cfg.block_m, impl)
     dt = x.dtype
     h = grouped_swiglu(x, w1, w3, lay.m_indices, limit, lay.rows, impl, cfg)
