@@ -172,21 +172,34 @@ def no_fp8_weight_reads():
         layers.FP8_WEIGHT_MAX_ROWS = saved
 
 
-def fp4_experts(params, key):
+def fp4_experts(params, key, delete_originals: bool = False):
     """The routed experts as FP4 with UE8M0 scales (V4.1's format; the grouped GEMMs read it as stored):
     random e2m1 codes and one scale for the whole stack, the power of two that gives the bf16 weights' RMS
-    (the e2m1 codes' RMS is about 2.93)."""
+    (the e2m1 codes' RMS is about 2.93). With `delete_originals` each replaced stack's arrays are deleted
+    once its FP4 form is ready (the 4-layer model's bf16 experts and their FP4 form do not fit an 80 GB card
+    together); `params` is unusable afterwards."""
     from djax import fp4
     from djax.params import flatten_names, unflatten_names
-    from djax.quant import dense
 
     flat = flatten_names(params)
     for i, name in enumerate(n for n in flat if fp4._ROUTED_EXPERTS.search(n)):
         w = flat[name]
-        rms = jnp.sqrt(jnp.mean(jnp.square(dense(w, jnp.float32))))  # w may be FP8 already (--fp8)
-        byte = jnp.clip(jnp.round(jnp.log2(rms / 2.93)) + 127, 1, 254).astype(jnp.int32)
-        flat[name] = fp4.random_fp4(jax.random.fold_in(key, i), w.shape, byte, byte + 1)
+        flat[name] = jax.block_until_ready(_random_fp4_like(w, jax.random.fold_in(key, i)))
+        if delete_originals:
+            for a in jax.tree.leaves(w):
+                a.delete()
     return unflatten_names(flat, params)
+
+
+@jax.jit
+def _random_fp4_like(w, key):
+    """One compiled program per stack: the RMS taken eagerly holds float32 copies of a 4 GB stack."""
+    from djax import fp4
+    from djax.quant import dense
+
+    rms = jnp.sqrt(jnp.mean(jnp.square(dense(w, jnp.float32))))  # w may be FP8 already (--fp8)
+    byte = jnp.clip(jnp.round(jnp.log2(rms / 2.93)) + 127, 1, 254).astype(jnp.int32)
+    return fp4.random_fp4(key, w.shape, byte, byte + 1)
 
 
 # ---- ahead-of-time compilation of djax's programs ----------------------------------------------------------
@@ -971,10 +984,11 @@ def main() -> int:
     params = jax.tree.map(
         lambda x: x.astype(jnp.bfloat16).astype(jnp.float32) if x.dtype == jnp.float32 else x, params
     )
+    # Quantized in place, leaf by leaf: an 80 GB card holds the bf16 model but not it and its FP8 form.
     if args.fp8:
-        params = djax.quantize_projections(params, cfg)
+        params = djax.quantize_projections(params, cfg, delete_originals=True)
     if args.fp4_experts:
-        params = fp4_experts(params, jax.random.key(1))
+        params = fp4_experts(params, jax.random.key(1), delete_originals=True)
     jax.block_until_ready(params)
     init_s = time.perf_counter() - t
     log(f"params: {nbytes(params) / 1e9:.2f} GB in {init_s:.1f} s")

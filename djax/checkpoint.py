@@ -476,11 +476,17 @@ def quantize_projections(
     block: tuple[int, int] = DEFAULT_BLOCK,
     experts: bool = True,
     scale_fmt: str | None = None,
+    delete_originals: bool = False,
 ) -> Any:
     """params with every matrix DeepSeek ships in FP8 (the projections and, with `experts`, the stacked
     routed experts; not the embedding, head, router or float32-declared weights) as an FP8 QArray with `block`
     scales (power-of-two UE8M0 ones with scale_fmt "ue8m0", as V4's checkpoints), the way a checkpoint saved
-    with fp8=True loads them. Leaves already quantized are kept."""
+    with fp8=True loads them. Leaves already quantized are kept.
+
+    Device arrays are quantized one at a time in one compiled program each, so the extra memory is one
+    weight's FP8 form. With `delete_originals` each replaced device array is deleted as soon as its FP8 form
+    is ready: a device that holds the bf16 model but not both it and the quantized one can still build the
+    latter. The caller's `params` is unusable afterwards."""
     flat = flatten_names(params)
     tree = model_module(config).declare(config, with_mtp=any(n.startswith("mtp.") for n in flat))
     decl = {k: v for k, v in flatten_names(tree).items() if is_param(v)}
@@ -488,9 +494,19 @@ def quantize_projections(
     for name, w in flat.items():
         p = decl.get(name)
         eligible = p is not None and not isinstance(w, QArray) and _stored_fp8(name, p)
-        quantized = eligible and (experts or not _per_expert(name, p))
-        out[name] = quantize(w, block, scale_fmt) if quantized else w
+        if not (eligible and (experts or not _per_expert(name, p))):
+            out[name] = w
+        elif isinstance(w, jax.Array):
+            out[name] = jax.block_until_ready(_quantize_on_device(w, tuple(block), scale_fmt))
+            if delete_originals:
+                w.delete()
+        else:
+            out[name] = quantize(w, block, scale_fmt)
     return unflatten_names(out, params)
+
+
+# One fused program per weight shape: quantizing eagerly holds several float32 copies of the weight at once.
+_quantize_on_device = jax.jit(quantize, static_argnums=(1, 2))
 
 
 def _per_expert(name: str, p: Param) -> bool:

@@ -49,3 +49,28 @@ def test_fp4_experts_replace_the_routed_stacks_and_dense_on_use_keeps_their_valu
         q, d = after[name], made_dense[name]
         assert isinstance(d, QArray) and not is_ue8m0_fp4(d) and d.scale.dtype == jnp.float32
         np.testing.assert_array_equal(np.asarray(dense(d, jnp.float32)), np.asarray(dense(q, jnp.float32)))
+
+
+def test_fp4_experts_can_free_the_stacks_they_replace():
+    """--fp4-experts builds the FP4 stacks with delete_originals (an 80 GB card cannot hold both forms):
+    exactly the replaced stacks' arrays are deleted, and the FP4 stacks are those built without it."""
+    sys.path.insert(0, str(Path(__file__).resolve().parents[2] / "benchmarks"))
+    import bench_generate as bg
+
+    cfg = bg.make_config(tiny=True)
+    fp8 = djax.quantize_projections(init_params_host(cfg, 0), cfg)  # the stacks are QArrays: both leaves go
+    want = flatten_names(bg.fp4_experts(jax.device_put(fp8), jax.random.key(1)))
+    params = jax.device_put(fp8)
+    before = flatten_names(params)
+    after = flatten_names(bg.fp4_experts(params, jax.random.key(1), delete_originals=True))
+    for name, w in before.items():
+        deleted = [a.is_deleted() for a in jax.tree.leaves(w)]
+        if EXPERTS.search(name):
+            assert all(deleted), name
+            np.testing.assert_array_equal(np.asarray(after[name].values), np.asarray(want[name].values))
+            np.testing.assert_array_equal(
+                np.asarray(after[name].scale.astype(jnp.float32)),
+                np.asarray(want[name].scale.astype(jnp.float32)),
+            )
+        else:
+            assert not any(deleted) and after[name] is w, name

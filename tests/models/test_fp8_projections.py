@@ -199,6 +199,36 @@ def test_quantize_projections_takes_what_an_fp8_checkpoint_holds():
     }
 
 
+@pytest.mark.parametrize("scale_fmt", [None, "ue8m0"])
+def test_quantize_projections_on_device_matches_the_host_and_frees_what_it_replaced(scale_fmt):
+    """Device weights go through one compiled program each; its output is quantizing op by op (jnp, eager)
+    bit for bit, and with delete_originals exactly the replaced arrays are deleted. (The host's numpy
+    quantization is no bit-for-bit twin: XLA divides by the broadcast scale as a product with its reciprocal,
+    which moves a rare value onto an e4m3 tie.)"""
+    cfg = _config()
+    host = init_params_host(cfg, 3)
+    flat_host = flatten_names(host)
+    on_host = flatten_names(quantize_projections(host, cfg))
+    want = {
+        n: quantize(jnp.asarray(w), scale_fmt=scale_fmt) if isinstance(on_host[n], QArray) else w
+        for n, w in flat_host.items()
+    }
+    dev = jax.device_put(host)
+    before = flatten_names(dev)
+    got = flatten_names(quantize_projections(dev, cfg, scale_fmt=scale_fmt, delete_originals=True))
+    assert got.keys() == want.keys()
+    for name, w in want.items():
+        if isinstance(w, QArray):
+            assert isinstance(got[name], QArray) and before[name].is_deleted(), name
+            for a, b in ((got[name].values, w.values), (got[name].scale, w.scale)):
+                assert a.dtype == b.dtype and a.shape == b.shape, name
+                np.testing.assert_array_equal(np.asarray(a).view(np.uint8), np.asarray(b).view(np.uint8))
+        else:
+            assert got[name] is before[name] and not before[name].is_deleted(), name
+    kept = flatten_names(quantize_projections(jax.device_put(host), cfg))
+    assert not any(a.is_deleted() for a in jax.tree.leaves(kept))
+
+
 _WEIGHT_AT = {
     "fp8_gemm": 2,
     "grouped_contiguous": 2,
