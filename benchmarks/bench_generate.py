@@ -951,9 +951,9 @@ def main() -> int:
     for b in w["decode_batches"] if "decode_xla" in parts else []:
         st = jax.eval_shape(lambda b=b: djax.init_state(cfg, b, w["max_len"]))
         comp.submit(f"decode_xla_{b}", decode_without_kernels(cfg, b), aparams, sds((b,)), st)
-    for name, lowered in dequant.items():
-        if name.startswith("decode"):
-            comp.submit(name, lowered)
+    for prog, lowered in dequant.items():
+        if prog.startswith("decode"):
+            comp.submit(prog, lowered)
 
     def submit_big():
         for b, t in w["prefill"] if "prefill" in parts else []:

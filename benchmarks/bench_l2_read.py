@@ -1,12 +1,18 @@
 #!/usr/bin/env python3
 """How fast the SMs can read from L2 and from DRAM: a ceiling for kernels that stream their operands from L2.
 
-python benchmarks/bench_l2_read.py [--out DIR]   (CUDA GPU, triton)
+python benchmarks/bench_l2_read.py [--out DIR] [--dram-sizes-mb 8,16,28,32]   (CUDA GPU, triton)
 
 A Triton kernel whose programs (8 per SM) sum f32 words in 8 KB chunks, the chunks dealt round-robin over the
 programs, `passes` times over a buffer: buffers of 8-32 MB stay in the 50 MB L2 after the first pass (64
 passes, so the first one's DRAM reads weigh little), a 2 GiB buffer is read once from DRAM. Device time from a
 profiler trace (`bench_kernels.bench`), bytes read / time. Writes l2_read.json under --out.
+
+Then the DRAM reads of small buffers, cold: each call reads one of enough buffers of that size that together
+they pass the L2 several times over, once, with 2, 4 and 8 programs per SM; and XLA's elementwise pass over the
+same buffers (read + written). A decode GEMM must read its weights once (FP8 at n 4096: 8, 16, 28 and 32 MiB
+at k 2048, 4096, 7168 and 8192), so the fastest of these reads, as a share of the run's copy bandwidth
+(`bench_kernels.measure_ceilings`, 2 GiB), is what any kernel at that size can reach at most.
 
 Why: the 128x256 FP8 prefill kernel takes 48 KB from L2 per CTA and k block. At 4096^3 that is 805 MB in
 about 117 us, 6.9 TB/s; if that is near what L2 can deliver, only fewer bytes per FLOP (a weight tile
@@ -59,8 +65,9 @@ def reader(words: int, passes: int, programs: int):
 def main():
     p = argparse.ArgumentParser()
     p.add_argument("--out", default=os.environ.get("OUT", "/tmp"))
+    p.add_argument("--dram-sizes-mb", default="8,16,28,32", help="MiB; empty for none")
     args = p.parse_args()
-    from bench_kernels import bench
+    from bench_kernels import bench, measure_ceilings
 
     sms = jax.devices()[0].core_count if hasattr(jax.devices()[0], "core_count") else 132
     programs = PROGRAMS_PER_SM * sms
@@ -78,8 +85,43 @@ def main():
         row["tb_per_s"] = round(words * 4 * passes / secs / 1e12, 3)
         res["rows"].append(row)
         print(row, flush=True)
+    copy_bw, _ = measure_ceilings()
+    res["copy_tb_per_s"] = round(copy_bw / 1e12, 3)
+    res["dram_reads"] = dram_read_rows([float(v) for v in args.dram_sizes_mb.split(",") if v], sms, res)
     with open(os.path.join(args.out, "l2_read.json"), "w") as f:
         json.dump(res, f, indent=1)
+
+
+def dram_read_rows(sizes_mib, sms, res) -> list[dict]:
+    """Per size: the read kernel's best device time over 2, 4 and 8 programs per SM and XLA's elementwise
+    pass, each call on the next of enough buffers to pass the L2 (50 MB) more than three times."""
+    from bench_kernels import bench
+
+    rows = []
+    for mib in sizes_mib:
+        words = int(mib * (1 << 20)) // 4 // CHUNK * CHUNK
+        n_sets = max(4, -(-160 * (1 << 20) // (words * 4)))
+        xs = [jax.random.uniform(jax.random.key(i), (words,), jnp.float32) for i in range(n_sets)]
+        want = float(jnp.sum(xs[0]))
+        row = dict(buffer_mib=mib, bytes=words * 4, sets=n_sets, read_us={})
+        for per_sm in (2, 4, 8):
+            fn = reader(words, 1, per_sm * sms)
+            got = float(jnp.sum(jax.jit(fn)(xs[0])))
+            if abs(got - want) > 1e-3 * abs(want):
+                raise AssertionError(f"read kernel sum {got} != {want} at {mib} MiB")
+            wall, dev, _ = bench(fn, [(x,) for x in xs], trace=True)
+            row["read_us"][per_sm] = round((dev or wall) * 1e6, 2)
+        best = min(row["read_us"].values())
+        wall, dev, _ = bench(lambda a: a * 1.0001, [(x,) for x in xs], trace=True)
+        row["xla_pass_us"] = round((dev or wall) * 1e6, 2)
+        row["best_read_us"] = best
+        row["best_read_tb_per_s"] = round(words * 4 / best / 1e6, 3)
+        row["best_read_of_copy"] = round(words * 4 / best / 1e6 / res["copy_tb_per_s"], 3)
+        row["xla_pass_of_copy"] = round(2 * words * 4 / row["xla_pass_us"] / 1e6 / res["copy_tb_per_s"], 3)
+        rows.append(row)
+        print(row, flush=True)
+        del xs
+    return rows
 
 
 if __name__ == "__main__":

@@ -39,3 +39,19 @@ def test_dense_on_use_programs_read_no_fp8_weights(monkeypatch):
     with bg.no_fp8_weight_reads():
         assert traced(dense) == set()
     assert "fp8_weight_gemm" in traced(dense)  # the setting restored
+
+
+def test_main_writes_the_named_result_with_the_dequant_part(tmp_path, monkeypatch):
+    """The script end to end on the tiny config: the result file takes --name (a loop over the dequant
+    programs once overwrote it), and holds the decode step with the kernels and with the weights made dense."""
+    import json
+
+    sys.path.insert(0, str(Path(__file__).resolve().parents[2] / "benchmarks"))
+    import bench_generate as bg
+
+    argv = ["bench_generate.py", "--tiny", "--fp8", "--parts", "decode,decode_dequant", "--decode-batches", "2"]
+    monkeypatch.setattr(sys, "argv", [*argv, "--name", "named", "--out", str(tmp_path)])
+    bg.main()
+    assert sorted(p.name for p in tmp_path.glob("*.json")) == ["generate_named.json"]
+    result = json.loads((tmp_path / "generate_named.json").read_text())
+    assert result["decode_fp8_gemm_speedup"]["2"] > 0
