@@ -49,7 +49,15 @@ def test_main_writes_the_named_result_with_the_dequant_part(tmp_path, monkeypatc
     sys.path.insert(0, str(Path(__file__).resolve().parents[2] / "benchmarks"))
     import bench_generate as bg
 
-    argv = ["bench_generate.py", "--tiny", "--fp8", "--parts", "decode,decode_dequant", "--decode-batches", "2"]
+    argv = [
+        "bench_generate.py",
+        "--tiny",
+        "--fp8",
+        "--parts",
+        "decode,decode_dequant",
+        "--decode-batches",
+        "2",
+    ]
     monkeypatch.setattr(sys, "argv", [*argv, "--name", "named", "--out", str(tmp_path)])
     bg.main()
     assert sorted(p.name for p in tmp_path.glob("*.json")) == ["generate_named.json"]
