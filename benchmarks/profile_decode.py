@@ -6,6 +6,7 @@ The bench_generate model (V4-Flash per-layer shapes, 4 layers, random bf16 weigh
 name (the device-side events), printed as a table and written as JSON.
 
     python benchmarks/profile_decode.py --batch 1 64 --out $OUT          # on a GPU
+    python benchmarks/profile_decode.py --batch 1 --also-fp8 --out $OUT  # then FP8 projections and experts
     python benchmarks/profile_decode.py --tiny --batch 2 --out /tmp/prof # CPU smoke run (host events)
 """
 
@@ -67,6 +68,12 @@ def main():
     ap.add_argument("--batch", type=int, nargs="+", default=[1, 64])
     ap.add_argument("--steps", type=int, default=4)
     ap.add_argument("--moe-impl", default="grouped")
+    ap.add_argument(
+        "--also-fp8",
+        action="store_true",
+        help="then quantize the same weights in place (djax.quantize_projections: projections and routed "
+        "experts FP8, 128x128 scales) and profile the same batches again, keyed fp8 in the JSON",
+    )
     ap.add_argument("--out", default=os.environ.get("OUT", "/tmp/profile"))
     a = ap.parse_args()
     out = Path(a.out)
@@ -75,13 +82,23 @@ def main():
     params = djax.init_params(cfg, jax.random.key(0))
     w = bg.TINY if a.tiny else bg.FULL
     res = {"date": time.strftime("%Y-%m-%d"), "device": jax.devices()[0].device_kind, "runs": {}}
+    profile(params, cfg, w, a, out, res["runs"], "")
+    if a.also_fp8:
+        params = djax.quantize_projections(params, cfg, delete_originals=True)
+        res["fp8"] = {}
+        profile(params, cfg, w, a, out, res["fp8"], "fp8 ")
+    (out / "profile_decode.json").write_text(json.dumps(res, indent=1))
+
+
+def profile(params, cfg, w, a, out: Path, runs: dict, label: str):
+    """Per batch size: a few traced decode steps, their kernels summed by name into runs[b]."""
     for b in a.batch:
         state = bg.synthetic_state(cfg, b, w["max_len"], w["context"], b)
         toks = jnp.zeros((b,), jnp.int32) + 7
         for _ in range(2):  # compile and warm up
             logits, state = djax.decode(params, toks, state, cfg, moe_impl=a.moe_impl)
         jax.block_until_ready(logits)
-        tdir = out / f"trace_b{b}"
+        tdir = out / f"trace_{label.strip()}b{b}"
         t0 = time.perf_counter()
         with jax.profiler.trace(str(tdir), create_perfetto_trace=True):
             for _ in range(a.steps):
@@ -89,19 +106,18 @@ def main():
             jax.block_until_ready(logits)
         wall = (time.perf_counter() - t0) / a.steps
         rows, total = kernel_table(tdir)
-        res["runs"][b] = {
+        runs[b] = {
             "step_wall_ms": wall * 1e3,
             "device_us_per_step": total / a.steps,
             "top": [dict(r, us=r["us"] / a.steps, calls=r["calls"] / a.steps) for r in rows[:40]],
         }
         print(
-            f"batch {b}: {wall * 1e3:.2f} ms/step wall, {total / a.steps / 1e3:.2f} ms/step in traced events"
+            f"{label}batch {b}: {wall * 1e3:.2f} ms/step wall, {total / a.steps / 1e3:.2f} ms/step in traced events"
         )
         for r in rows[:25]:
             print(f"  {r['us'] / a.steps:10.1f} us  x{r['calls'] / a.steps:5.1f}  {r['name'][:110]}")
         for f in tdir.rglob("*.xplane.pb"):
             f.unlink()  # large; the JSON table is what we keep
-    (out / "profile_decode.json").write_text(json.dumps(res, indent=1))
 
 
 if __name__ == "__main__":
