@@ -440,6 +440,15 @@ def expected_experts(cfg: djax.ModelConfig, b: int) -> float:
     return e * (1.0 - (1.0 - k / e) ** b)
 
 
+def experts_touched(count_step, cfg, params, tok, state) -> list[int]:
+    """Distinct routed experts each layer's router picks in one more decode step from `state`, by the step
+    compiled with "expert_counts" in its state. With random weights and greedy feedback the picks need not
+    be uniform (the hash-routed layer sees only the batch's distinct tokens), so the roofline counts these."""
+    counts = jnp.zeros((cfg.num_hidden_layers, cfg.n_routed_experts), jnp.int32)
+    _, after = count_step(params, tok, dict(state, expert_counts=counts))
+    return [int(n) for n in np.asarray(jnp.sum(after["expert_counts"] > 0, axis=-1))]
+
+
 def decode_bytes(cfg: djax.ModelConfig, params: dict, b: int, ctx: int, experts_per_layer=None) -> dict:
     """Bytes one decode step at batch b and context ctx must read from device memory.
 
@@ -696,6 +705,10 @@ def run_djax(res: dict, params, cfg, w: dict, comp: Compiler, rng, save, parts) 
             "median_step_s": median(ts),
             "tokens_per_s": b / median(ts),
         }
+        if key == "decode":
+            res[key][str(b)]["experts_touched_per_layer"] = experts_touched(
+                comp.get(f"count_{b}"), cfg, p, tok, state
+            )
         log(f"djax {key} b={b}: {median(ts) * 1e3:.2f} ms/step, {b / median(ts):,.1f} tok/s")
 
     def generate():
@@ -948,6 +961,9 @@ def main() -> int:
     for b in w["decode_batches"] if "decode" in parts else []:
         st = jax.eval_shape(lambda b=b: djax.init_state(cfg, b, w["max_len"]))
         comp.submit(f"decode_{b}", djax.decode, aparams, sds((b,)), st, cfg)
+        # the same step with the router's choices counted (untimed): the experts it touches, for the roofline
+        st = dict(st, expert_counts=sds((cfg.num_hidden_layers, cfg.n_routed_experts)))
+        comp.submit(f"count_{b}", djax.decode, aparams, sds((b,)), st, cfg)
     for b in w["decode_batches"] if "decode_xla" in parts else []:
         st = jax.eval_shape(lambda b=b: djax.init_state(cfg, b, w["max_len"]))
         comp.submit(f"decode_xla_{b}", decode_without_kernels(cfg, b), aparams, sds((b,)), st)

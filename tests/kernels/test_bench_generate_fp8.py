@@ -63,3 +63,9 @@ def test_main_writes_the_named_result_with_the_dequant_part(tmp_path, monkeypatc
     assert sorted(p.name for p in tmp_path.glob("*.json")) == ["generate_named.json"]
     result = json.loads((tmp_path / "generate_named.json").read_text())
     assert result["decode_fp8_gemm_speedup"]["2"] > 0
+    # the roofline counts the experts djax's own step touched, measured per layer, not uniform routing's
+    cfg = bg.make_config(tiny=True)
+    touched = result["djax"]["decode"]["2"]["experts_touched_per_layer"]
+    assert len(touched) == cfg.num_hidden_layers
+    assert all(cfg.num_experts_per_tok <= n <= 2 * cfg.num_experts_per_tok for n in touched)
+    assert result["roofline"]["djax"]["2"]["experts_per_layer"] == touched
