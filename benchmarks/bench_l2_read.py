@@ -87,12 +87,13 @@ def main():
         print(row, flush=True)
     copy_bw, _ = measure_ceilings()
     res["copy_tb_per_s"] = round(copy_bw / 1e12, 3)
-    res["dram_reads"] = dram_read_rows([float(v) for v in args.dram_sizes_mb.split(",") if v], sms, res)
+    sizes = [float(v) for v in args.dram_sizes_mb.split(",") if v]
+    res["dram_reads"] = dram_read_rows(sizes, sms, res["copy_tb_per_s"])
     with open(os.path.join(args.out, "l2_read.json"), "w") as f:
         json.dump(res, f, indent=1)
 
 
-def dram_read_rows(sizes_mib, sms, res) -> list[dict]:
+def dram_read_rows(sizes_mib, sms, copy_tb_per_s: float) -> list[dict]:
     """Per size: the read kernel's best device time over 2, 4 and 8 programs per SM and XLA's elementwise
     pass, each call on the next of enough buffers to pass the L2 (50 MB) more than three times."""
     from bench_kernels import bench
@@ -116,8 +117,8 @@ def dram_read_rows(sizes_mib, sms, res) -> list[dict]:
         row["xla_pass_us"] = round((dev or wall) * 1e6, 2)
         row["best_read_us"] = best
         row["best_read_tb_per_s"] = round(words * 4 / best / 1e6, 3)
-        row["best_read_of_copy"] = round(words * 4 / best / 1e6 / res["copy_tb_per_s"], 3)
-        row["xla_pass_of_copy"] = round(2 * words * 4 / row["xla_pass_us"] / 1e6 / res["copy_tb_per_s"], 3)
+        row["best_read_of_copy"] = round(words * 4 / best / 1e6 / copy_tb_per_s, 3)
+        row["xla_pass_of_copy"] = round(2 * words * 4 / row["xla_pass_us"] / 1e6 / copy_tb_per_s, 3)
         rows.append(row)
         print(row, flush=True)
         del xs

@@ -483,10 +483,11 @@ def quantize_projections(
     scales (power-of-two UE8M0 ones with scale_fmt "ue8m0", as V4's checkpoints), the way a checkpoint saved
     with fp8=True loads them. Leaves already quantized are kept.
 
-    Device arrays are quantized one at a time in one compiled program each, so the extra memory is one
-    weight's FP8 form. With `delete_originals` each replaced device array is deleted as soon as its FP8 form
-    is ready: a device that holds the bf16 model but not both it and the quantized one can still build the
-    latter. The caller's `params` is unusable afterwards."""
+    Device arrays are quantized one at a time, each in one compiled program, which needs no memory beyond
+    the FP8 form it returns (op by op, several float32 copies of the weight would be live at once). With
+    `delete_originals` each replaced device array is deleted as soon as its FP8 form is ready: a device that
+    holds the bf16 model but not both it and the quantized one can still build the latter. The caller's
+    `params` is unusable afterwards."""
     flat = flatten_names(params)
     tree = model_module(config).declare(config, with_mtp=any(n.startswith("mtp.") for n in flat))
     decl = {k: v for k, v in flatten_names(tree).items() if is_param(v)}
