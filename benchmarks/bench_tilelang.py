@@ -8,7 +8,8 @@ and the newer 128x256 / two-warpgroup / shared-memory-scale ones, side by side),
 checked against the f32 reference before it is timed (rel_err, ok); a failing variant records its error and the
 run goes on. All kernels are compiled first, in parallel worker processes (nvcc, no GPU), into the disk cache.
 FP8_PEAK is the H200 spec sheet's dense fp8 rate (1979 TFLOP/s, no sparsity): a published ceiling, so the ratios
-are lower bounds on the fraction of the chip used. Decode shapes are memory bound: GB/s against COPY_BW.
+are lower bounds on the fraction of the chip used. Decode shapes are memory bound: GB/s against the card's copy
+roof (`bench_kernels.roof_ceilings`).
 On a GPU `us` is device time (the kernels summed from a profiler trace, `time_is`), wall time beside it.
 """
 
@@ -27,7 +28,7 @@ import jax.numpy as jnp
 import numpy as np
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
-from bench_kernels import COPY_BW, bench, measure_ceilings  # noqa: E402
+from bench_kernels import bench, measure_ceilings, roof_ceilings  # noqa: E402
 from bench_moe import timing_sets  # noqa: E402
 
 from djax.kernels.fp8_gemm_ref import fp8_gemm_ref, quantize_act, quantize_weight
@@ -121,14 +122,15 @@ def precompile(cases, jobs: int) -> dict:
     return errors
 
 
-def timing(t, flops, nbytes, copy_bw):
-    """bw_ratio against the fixed COPY_BW roof, vs_measured_copy against this run's own copy figure."""
+def timing(t, flops, nbytes, copy_bw, roof_bw):
+    """bw_ratio against the card's fixed roof (`bench_kernels.roof_ceilings`), vs_measured_copy against this
+    run's own copy figure."""
     return dict(
         us=round(t * 1e6, 2),
         tflops=round(flops / t / 1e12, 1),
         peak_ratio=round(flops / t / FP8_PEAK, 4),
         gbps=round(nbytes / t / 1e9, 1),
-        bw_ratio=round(nbytes / t / COPY_BW, 4),
+        bw_ratio=round(nbytes / t / roof_bw, 4),
         vs_measured_copy=round(nbytes / t / copy_bw, 4),
     )
 
@@ -139,13 +141,14 @@ def run(out_dir: str, small: bool, jobs: int, phases: tuple[str, ...] = ("decode
     cases += [("prefill", s) for s in (PREFILL[:1] if small else PREFILL) if "prefill" in phases]
     log(f"{dev.device_kind}: compiling {len(cases)} shapes' kernels with {jobs} workers")
     compile_errors = precompile(cases, jobs)
-    copy_bw, _ = measure_ceilings()  # the decode rows' bandwidth is judged against this run's own copy
+    copy_bw, rate = measure_ceilings()  # the decode rows' bandwidth is judged against this run's own copy
+    roof_bw, _ = roof_ceilings(dev.device_kind, copy_bw, rate)
     log(f"copy bandwidth {copy_bw / 1e12:.2f} TB/s")
     result = dict(
         device=dev.device_kind,
         jax=jax.__version__,
         fp8_peak_tflops=FP8_PEAK / 1e12,
-        copy_bw_tbs=COPY_BW / 1e12,
+        copy_bw_tbs=roof_bw / 1e12,
         measured_copy_bw_tbs=round(copy_bw / 1e12, 3),
         rtol=RTOL,
         date=time.strftime("%Y-%m-%d %H:%M:%S"),
@@ -191,7 +194,7 @@ def run(out_dir: str, small: bool, jobs: int, phases: tuple[str, ...] = ("decode
                 if not rec["ok"]:
                     raise RuntimeError(f"wrong output: rel err {rec['rel_err']:.3e} > {RTOL:.2e}; not timed")
                 wall, dev, kernels = bench(fn, sets, trace=True)  # device time from a profiler trace on GPUs
-                rec.update(timing(dev or wall, flops, nbytes, copy_bw))
+                rec.update(timing(dev or wall, flops, nbytes, copy_bw, roof_bw))
                 rec.update(
                     time_is="device" if dev else "wall", wall_us=round(wall * 1e6, 2), kernels_us=kernels
                 )
@@ -218,8 +221,8 @@ def run(out_dir: str, small: bool, jobs: int, phases: tuple[str, ...] = ("decode
 
 
 def plot(result: dict, path: str) -> None:
-    """One panel per shape: each timed variant's fraction of its ceiling (prefill: the FP8 peak, decode: COPY_BW),
-    XLA's in grey, the microseconds beside each bar. Skipped where matplotlib is missing."""
+    """One panel per shape: each timed variant's fraction of its ceiling (prefill: the FP8 peak, decode: the copy
+    roof), XLA's in grey, the microseconds beside each bar. Skipped where matplotlib is missing."""
     try:
         import matplotlib
 
