@@ -30,8 +30,8 @@ import bench_generate as bg  # noqa: E402
 import djax  # noqa: E402
 
 
-def kernel_table(trace_dir: Path) -> tuple[list[dict], float]:
-    """Sum the trace's complete events per name over device threads (all events if no device track).
+def stream_kernels(trace_dir: Path) -> list[dict]:
+    """The trace's complete events on the device's stream threads (all its events if it has no device track).
 
     On a GPU only the stream threads count: the trace's "XLA Ops" and "XLA Modules" threads span the same
     kernels again, so summing every device thread would count each kernel two or three times.
@@ -50,12 +50,19 @@ def kernel_table(trace_dir: Path) -> tuple[list[dict], float]:
         and e["pid"] in dev_pids
         and e["args"]["name"].lower().startswith("stream")
     }
+    return [
+        e
+        for e in events
+        if e.get("ph") == "X"
+        and (not dev_pids or e["pid"] in dev_pids)
+        and (not streams or (e["pid"], e.get("tid")) in streams)
+    ]
+
+
+def kernel_table(trace_dir: Path) -> tuple[list[dict], float]:
+    """The stream kernels' time summed per name, largest first, and the total."""
     tot, cnt = defaultdict(float), defaultdict(int)
-    for e in events:
-        if e.get("ph") != "X" or (dev_pids and e["pid"] not in dev_pids):
-            continue
-        if streams and (e["pid"], e.get("tid")) not in streams:
-            continue
+    for e in stream_kernels(trace_dir):
         tot[e["name"]] += e.get("dur", 0.0)
         cnt[e["name"]] += 1
     rows = sorted(({"name": n, "us": t, "calls": cnt[n]} for n, t in tot.items()), key=lambda r: -r["us"])

@@ -1,0 +1,282 @@
+#!/usr/bin/env python3
+"""How a decode step reaches the GPU: the time the host takes to issue it, the GPU's idle gaps between kernels,
+and what XLA's command buffers (CUDA graphs) do to both, for djax's custom calls and XLA's own kernels.
+
+Two workloads, each compiled once per XLA option set (`VARIANTS`, passed as compiler options):
+- `chain`: a chain of projections at one row (decode's shape), x <- rms(x @ W_i^T): with FP8 weights through
+  `layers.linear` (activation quantization, then the `fp8_gemm` custom call) and with bf16 weights (XLA's
+  dot), so the cost of one custom call on the host and on the GPU shows alone;
+- the bench_generate model (V4-Flash per-layer shapes, 4 layers, random bf16 weights) at a synthetic 1k
+  context, then (with --fp8) the same weights quantized in place (djax.quantize_projections).
+Per workload and option set: step time (median over reps of `steps` back-to-back calls, as bench_generate
+times decode) and the time the host takes to issue a call (the calls returned before the first result is
+waited for). For the default options also, from a profiler trace: the GPU's busy time per call (stream
+kernels, overlaps merged), its idle time within the span and the largest gaps with the kernels around them.
+
+    python benchmarks/profile_launches.py --batch 1 --fp8 --out $OUT    # on a GPU
+    python benchmarks/profile_launches.py --tiny --batch 2 --out /tmp/pl  # CPU smoke run
+    python benchmarks/profile_launches.py --plot RESULT.json               # only redraw its PNG
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import sys
+import time
+from pathlib import Path
+
+import jax
+import jax.numpy as jnp
+
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+import bench_generate as bg  # noqa: E402
+import profile_decode  # noqa: E402
+
+import djax  # noqa: E402
+
+# XLA's command buffer kinds by default (FUSION, CUBLAS, CUBLASLT, CUSTOM_CALL, CUDNN, DYNAMIC_SLICE_FUSION),
+# none, and all but custom calls
+VARIANTS = {
+    "default": {},
+    "no_command_buffers": {"xla_gpu_enable_command_buffer": ""},
+    "no_custom_calls_in_command_buffers": {
+        "xla_gpu_enable_command_buffer": "FUSION,CUBLAS,CUBLASLT,CUDNN,DYNAMIC_SLICE_FUSION"
+    },
+}
+
+
+def busy_and_gaps(trace_dir: Path, steps: int, n_gaps: int = 12) -> dict:
+    """From the trace's stream kernels (`profile_decode.stream_kernels`): busy time (overlaps merged), idle
+    time within the span and the largest idle gaps, with the kernels that end before and start after each."""
+    ks = sorted(
+        (e["ts"], e["ts"] + e.get("dur", 0.0), e["name"]) for e in profile_decode.stream_kernels(trace_dir)
+    )
+    if not ks:
+        return {"kernels_per_step": 0}
+    busy, gaps, end, last = 0.0, [], ks[0][0], ks[0][2]
+    for s, e, name in ks:
+        if s > end:
+            gaps.append((s - end, last, name))
+        busy += max(0.0, e - max(s, end))
+        if e >= end:
+            end, last = e, name
+    span = end - ks[0][0]
+    gaps.sort(reverse=True)
+    return {
+        "kernels_per_step": len(ks) / steps,
+        "busy_us_per_step": busy / steps,
+        "idle_us_per_step_within_span": (span - busy) / steps,
+        "largest_gaps": [{"us": g, "after": a[:90], "before": b[:90]} for g, a, b in gaps[:n_gaps]],
+    }
+
+
+def measure(call, a, out: Path, label: str, trace: bool) -> dict:
+    """Time `call` (which runs one step and returns what to wait for): step and host issue time; with
+    `trace`, the trace's busy time and gaps too."""
+    for _ in range(2):
+        jax.block_until_ready(call())
+    step, issue = [], []
+    for _ in range(a.reps):
+        t0 = time.perf_counter()
+        for _ in range(a.steps):
+            r = call()
+        t1 = time.perf_counter()
+        jax.block_until_ready(r)
+        t2 = time.perf_counter()
+        issue.append((t1 - t0) / a.steps)
+        step.append((t2 - t0) / a.steps)
+    res = {
+        "median_step_ms": sorted(step)[len(step) // 2] * 1e3,
+        "step_ms": [t * 1e3 for t in step],
+        "host_issue_ms_per_step": sorted(issue)[len(issue) // 2] * 1e3,
+    }
+    if trace:
+        tdir = out / f"trace_{label}"
+        with jax.profiler.trace(str(tdir), create_perfetto_trace=True):
+            for _ in range(a.trace_steps):
+                r = call()
+            jax.block_until_ready(r)
+        res["trace"] = busy_and_gaps(tdir, a.trace_steps)
+        for f in tdir.rglob("*.xplane.pb"):
+            f.unlink()
+    t = res.get("trace", {})
+    print(
+        f"{label}: {res['median_step_ms']:.3f} ms/step, host issues one in {res['host_issue_ms_per_step']:.3f} ms"
+        + (
+            f"; traced busy {t['busy_us_per_step']:.0f} us, idle in span {t['idle_us_per_step_within_span']:.0f}"
+            f" us, {t['kernels_per_step']:.0f} kernels"
+            if t.get("kernels_per_step")
+            else ""
+        ),
+        flush=True,
+    )
+    return res
+
+
+def compile_variants(fn, args, label: str, variants) -> dict:
+    """{variant: compiled executable, or the error's text where XLA refused the options}."""
+    out = {}
+    for v in variants:
+        try:
+            out[v] = fn.lower(*args).compile(compiler_options=VARIANTS[v] or None)
+        except Exception as e:  # an option this XLA does not know: recorded, the others still run
+            out[v] = f"{type(e).__name__}: {e}"[:300]
+            print(f"{label} {v}: {out[v]}", flush=True)
+    return out
+
+
+def chain(a, out: Path, variants) -> dict:
+    """`a.chain` projections of n x n at one row, FP8 (custom calls) and bf16 (XLA's dots); each also with its
+    input donated to its output, so that a call's buffers are where the last call's were."""
+    from djax.models.layers import linear
+    from djax.quant import quantize
+
+    n = a.chain_dim
+    keys = jax.random.split(jax.random.key(3), a.chain)
+    ws = [jax.random.normal(k, (n, n), jnp.float32).astype(jnp.bfloat16) * n**-0.5 for k in keys]
+    weights = {"bf16": ws, "fp8": [quantize(w) for w in ws]}
+    res = {}
+    for kind, wl in weights.items():
+        fp8 = "auto" if kind == "fp8" else None
+
+        def f(x, wl, fp8=fp8):
+            for w in wl:
+                y = linear(x, w, fp8).astype(jnp.float32)
+                x = (y * jax.lax.rsqrt(jnp.mean(y * y, -1, keepdims=True) + 1e-6)).astype(jnp.bfloat16)
+            return x
+
+        for donated in (False, True):
+            fn = jax.jit(f, donate_argnums=(0,) if donated else ())
+            x = jax.random.normal(jax.random.key(4), (1, n), jnp.bfloat16)
+            name = f"chain {kind}" + (" donated" if donated else "")
+            for v, c in compile_variants(fn, (x, wl), name, variants).items():
+                label = f"chain_{kind}{'_donated' if donated else ''}_{v}"
+                if isinstance(c, str):
+                    res[label] = c
+                    continue
+                box = [jax.random.normal(jax.random.key(4), (1, n), jnp.bfloat16)]
+
+                def call(c=c, wl=wl, box=box, donated=donated):
+                    y = c(box[0], wl)
+                    if donated:
+                        box[0] = y  # the next call's input is this call's output, in the same buffer
+                    return y
+
+                res[label] = measure(call, a, out, label, v == "default")
+    return res
+
+
+def model(params, cfg, w, a, out: Path, kind: str, variants) -> dict:
+    res = {}
+    for b in a.batch:
+        state = bg.synthetic_state(cfg, b, w["max_len"], w["context"], b)
+        toks = jnp.zeros((b,), jnp.int32) + 7
+        for v, c in compile_variants(
+            djax.decode, (params, toks, state, cfg), f"{kind} b{b}", variants
+        ).items():
+            label = f"{kind}_b{b}_{v}"
+            if isinstance(c, str):
+                res[label] = c
+                continue
+            box = [state]
+
+            def step(c=c, box=box, toks=toks):
+                logits, box[0] = c(params, toks, box[0])
+                return logits
+
+            res[label] = measure(step, a, out, label, v == "default")
+            state = box[0]
+    return res
+
+
+def plot(res: dict, path: str) -> None:
+    """Per workload (the chain, each model), a bar per option set: the step's time, and inside it the time the
+    host took to issue the step, so a step whose two bars meet was paced by the host."""
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    groups = {}
+    for sec in ("chain", "bf16", "fp8"):
+        for label, r in res.get(sec, {}).items():
+            if isinstance(r, dict):
+                variant = next(v for v in VARIANTS if label.endswith("_" + v))
+                groups.setdefault(label.removesuffix("_" + variant), {})[variant] = r
+    fig, ax = plt.subplots(figsize=(1.6 + 1.5 * len(groups), 4.2))
+    variants = [v for v in VARIANTS if any(v in g for g in groups.values())]
+    width = 0.8 / max(1, len(variants))
+    for i, v in enumerate(variants):
+        xs = [j + (i - (len(variants) - 1) / 2) * width for j, g in enumerate(groups.values()) if v in g]
+        rs = [g[v] for g in groups.values() if v in g]
+        bars = ax.bar(
+            xs, [r["median_step_ms"] for r in rs], width, label=f"{v}: step", alpha=0.45, color=f"C{i}"
+        )
+        ax.bar(
+            xs,
+            [r["host_issue_ms_per_step"] for r in rs],
+            width * 0.45,
+            color=f"C{i}",
+            label=f"{v}: host issue",
+        )
+        ax.bar_label(bars, fmt="%.2f", fontsize=7)
+    ax.set_xticks(range(len(groups)), [g.replace("_", " ") for g in groups], fontsize=8, rotation=15)
+    ax.set_ylabel("ms per call")
+    ax.set_title(f"{res['device']}, {res['date']}: step time and the host's time to issue it", fontsize=9)
+    ax.legend(fontsize=7)
+    fig.tight_layout()
+    fig.savefig(path, dpi=120)
+    plt.close(fig)
+
+
+def main():
+    ap = argparse.ArgumentParser()
+    ap.add_argument("--plot", metavar="JSON", help="only draw the PNG of an earlier run's JSON, beside it")
+    ap.add_argument("--tiny", action="store_true")
+    ap.add_argument("--batch", type=int, nargs="+", default=[1])
+    ap.add_argument("--steps", type=int, default=16)
+    ap.add_argument("--reps", type=int, default=3)
+    ap.add_argument("--trace-steps", type=int, default=4)
+    ap.add_argument("--chain", type=int, default=40, help="projections in the chain workload (0: none)")
+    ap.add_argument("--chain-dim", type=int, default=2048)
+    ap.add_argument("--variants", default=",".join(VARIANTS), help="comma-separated names from VARIANTS")
+    ap.add_argument(
+        "--fp8", action="store_true", help="then the model's weights as FP8 (quantize_projections)"
+    )
+    ap.add_argument("--name", default="launches")
+    ap.add_argument("--out", default=os.environ.get("OUT", "/tmp/profile_launches"))
+    a = ap.parse_args()
+    if a.plot:
+        plot(json.loads(Path(a.plot).read_text()), a.plot.removesuffix(".json") + ".png")
+        return
+    out = Path(a.out)
+    out.mkdir(parents=True, exist_ok=True)
+    variants = a.variants.split(",")
+    if unknown := set(variants) - set(VARIANTS):
+        ap.error(f"unknown variants {sorted(unknown)}; known: {list(VARIANTS)}")
+    res = {
+        "date": time.strftime("%Y-%m-%d"),
+        "device": jax.devices()[0].device_kind,
+        "xla_flags": os.environ.get("XLA_FLAGS", ""),
+        "variants": {v: VARIANTS[v] for v in variants},
+    }
+    path = out / f"{a.name}.json"
+    if a.chain:
+        res["chain"] = chain(a, out, variants)
+        path.write_text(json.dumps(res, indent=1))
+    cfg = bg.make_config(a.tiny)
+    w = bg.TINY if a.tiny else bg.FULL
+    params = djax.init_params(cfg, jax.random.key(0))
+    res["bf16"] = model(params, cfg, w, a, out, "bf16", variants)
+    path.write_text(json.dumps(res, indent=1))
+    if a.fp8:
+        params = djax.quantize_projections(params, cfg, delete_originals=True)
+        res["fp8"] = model(params, cfg, w, a, out, "fp8", variants)
+        path.write_text(json.dumps(res, indent=1))
+    plot(res, str(path.with_suffix(".png")))
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,57 @@
+"""benchmarks/profile_launches.py's and profile_decode.py's trace readers: busy time and idle gaps with
+overlapping kernels, kernels summed per name, only the device's stream threads counted."""
+
+import gzip
+import json
+import sys
+from pathlib import Path
+
+import pytest
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[2] / "benchmarks"))
+import profile_launches as pl  # noqa: E402
+
+
+def _trace(tmp_path):
+    """A trace of two steps' kernels on one stream (a and b overlap; gaps of 5 before c and 2 before d), and an
+    event on the device's "XLA Ops" thread spanning them, which must not count."""
+    meta = [
+        {"ph": "M", "name": "process_name", "pid": 1, "args": {"name": "/device:GPU:0"}},
+        {"ph": "M", "name": "thread_name", "pid": 1, "tid": 7, "args": {"name": "Stream #1"}},
+        {"ph": "M", "name": "thread_name", "pid": 1, "tid": 8, "args": {"name": "XLA Ops"}},
+    ]
+    k = [(0, 10, "a"), (4, 8, "b"), (17, 3, "c"), (22, 4, "d")]  # (start, duration, name)
+    events = meta + [{"ph": "X", "pid": 1, "tid": 7, "ts": s, "dur": d, "name": n} for s, d, n in k]
+    events.append({"ph": "X", "pid": 1, "tid": 8, "ts": 0, "dur": 100, "name": "op"})
+    (tmp_path / "t").mkdir()
+    with gzip.open(tmp_path / "t" / "x.trace.json.gz", "wt") as f:
+        json.dump({"traceEvents": events}, f)
+    return tmp_path
+
+
+def test_busy_and_gaps_merges_overlaps_and_names_the_gaps(tmp_path):
+    r = pl.busy_and_gaps(_trace(tmp_path), steps=2)
+    assert r["kernels_per_step"] == 2
+    assert r["busy_us_per_step"] == (12 + 3 + 4) / 2  # [0, 12) merged, then c and d
+    assert r["idle_us_per_step_within_span"] == (26 - 19) / 2
+    assert [(g["us"], g["after"], g["before"]) for g in r["largest_gaps"]] == [(5, "b", "c"), (2, "c", "d")]
+
+
+def test_kernel_table_sums_the_stream_kernels_only(tmp_path):
+    rows, total = pl.profile_decode.kernel_table(_trace(tmp_path))
+    assert {r["name"]: r["us"] for r in rows} == {"a": 10, "b": 8, "c": 3, "d": 4}
+    assert total == 25
+
+
+def test_plot_draws_every_workload_from_a_result(tmp_path):
+    """The PNG of a result with a refused option set (its error text in place of timings) among the others."""
+    pytest.importorskip("matplotlib")
+    r = {"median_step_ms": 1.5, "host_issue_ms_per_step": 0.7, "step_ms": [1.5]}
+    res = {
+        "date": "2026-12-06",
+        "device": "test",
+        "chain": {"chain_fp8_default": r, "chain_fp8_no_command_buffers": dict(r, median_step_ms=1.7)},
+        "fp8": {"fp8_b1_default": r, "fp8_b1_no_custom_calls_in_command_buffers": "XlaRuntimeError: refused"},
+    }
+    pl.plot(res, str(tmp_path / "p.png"))
+    assert (tmp_path / "p.png").stat().st_size > 1000
