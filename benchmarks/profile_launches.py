@@ -169,25 +169,40 @@ def chain(a, out: Path, variants) -> dict:
 
 
 def model(params, cfg, w, a, out: Path, kind: str, variants) -> dict:
+    """The decode step as `djax.decode` runs it (state donated, logits in a new buffer each step) and, with
+    `a.keep_logits`, wrapped so that the last step's logits are donated too: their buffer takes the next
+    step's logits, so a step's inputs and outputs stay where they were (the tokens are one array throughout)."""
     res = {}
+    forms = {"": djax.decode}
+    if a.keep_logits:
+        forms["_logits_kept"] = jax.jit(
+            lambda p, t, s, last: djax.decode(p, t, s, cfg), donate_argnums=(2, 3)
+        )  # `last` unused: donated, its buffer (same shape and dtype) takes the new logits
     for b in a.batch:
         state = bg.synthetic_state(cfg, b, w["max_len"], w["context"], b)
         toks = jnp.zeros((b,), jnp.int32) + 7
-        for v, c in compile_variants(
-            djax.decode, (params, toks, state, cfg), f"{kind} b{b}", variants
-        ).items():
-            label = f"{kind}_b{b}_{v}"
-            if isinstance(c, str):
-                res[label] = c
-                continue
-            box = [state]
+        for form, fn in forms.items():
+            args = (
+                (params, toks, state, cfg)
+                if not form
+                else (params, toks, state, jnp.zeros((b, cfg.vocab_size)))
+            )
+            for v, c in compile_variants(fn, args, f"{kind} b{b}{form}", variants).items():
+                label = f"{kind}_b{b}{form}_{v}"
+                if isinstance(c, str):
+                    res[label] = c
+                    continue
+                box = [state, jnp.zeros((b, cfg.vocab_size))]
 
-            def step(c=c, box=box, toks=toks):
-                logits, box[0] = c(params, toks, box[0])
-                return logits
+                def step(c=c, box=box, toks=toks, form=form):
+                    if form:
+                        box[1], box[0] = c(params, toks, box[0], box[1])
+                    else:
+                        box[1], box[0] = c(params, toks, box[0])
+                    return box[1]
 
-            res[label] = measure(step, a, out, label, v == "default")
-            state = box[0]
+                res[label] = measure(step, a, out, label, v == "default")
+                state = box[0]
     return res
 
 
@@ -245,6 +260,9 @@ def main():
     ap.add_argument(
         "--fp8", action="store_true", help="then the model's weights as FP8 (quantize_projections)"
     )
+    ap.add_argument(
+        "--keep-logits", action="store_true", help="also the step with its logits' buffer donated"
+    )
     ap.add_argument("--name", default="launches")
     ap.add_argument("--out", default=os.environ.get("OUT", "/tmp/profile_launches"))
     a = ap.parse_args()
@@ -275,7 +293,10 @@ def main():
         params = djax.quantize_projections(params, cfg, delete_originals=True)
         res["fp8"] = model(params, cfg, w, a, out, "fp8", variants)
         path.write_text(json.dumps(res, indent=1))
-    plot(res, str(path.with_suffix(".png")))
+    try:
+        plot(res, str(path.with_suffix(".png")))
+    except ImportError:
+        print("matplotlib is not installed: no PNG (the JSON is written)")
 
 
 if __name__ == "__main__":

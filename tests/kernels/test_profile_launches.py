@@ -55,3 +55,36 @@ def test_plot_draws_every_workload_from_a_result(tmp_path):
     }
     pl.plot(res, str(tmp_path / "p.png"))
     assert (tmp_path / "p.png").stat().st_size > 1000
+
+
+def test_main_runs_every_workload_on_the_tiny_model(tmp_path, monkeypatch):
+    """End to end on the CPU: the chain and the tiny model, bf16 and FP8, the step with its logits kept too,
+    under two option sets (XLA's GPU options parse on the CPU and change nothing there)."""
+    args = "--tiny --batch 2 --steps 2 --reps 1 --trace-steps 1 --chain 2 --chain-dim 128 --fp8 --keep-logits"
+    argv = [
+        "profile_launches.py",
+        *args.split(),
+        "--variants",
+        "default,no_command_buffers",
+        "--out",
+        str(tmp_path),
+    ]
+    monkeypatch.setattr(sys, "argv", argv)
+    pl.main()
+    res = json.loads((tmp_path / "launches.json").read_text())
+    labels = [k for sec in ("chain", "bf16", "fp8") for k in res[sec]]
+    want = [
+        f"chain_{k}_{v}"
+        for k in ("bf16", "bf16_donated", "fp8", "fp8_donated")
+        for v in ("default", "no_command_buffers")
+    ]
+    want += [
+        f"{k}_b2{f}_{v}"
+        for k in ("bf16", "fp8")
+        for f in ("", "_logits_kept")
+        for v in ("default", "no_command_buffers")
+    ]
+    assert sorted(labels) == sorted(want)
+    for sec in ("chain", "bf16", "fp8"):
+        for r in res[sec].values():
+            assert r["median_step_ms"] > 0 and 0 < r["host_issue_ms_per_step"] <= max(r["step_ms"])
