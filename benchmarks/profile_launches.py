@@ -5,9 +5,11 @@ and what XLA's command buffers (CUDA graphs) do to both, for djax's custom calls
 Two workloads, each compiled once per XLA option set (`VARIANTS`, passed as compiler options):
 - `chain`: a chain of projections at one row (decode's shape), x <- rms(x @ W_i^T): with FP8 weights through
   `layers.linear` (activation quantization, then the `fp8_gemm` custom call) and with bf16 weights (XLA's
-  dot), so the cost of one custom call on the host and on the GPU shows alone;
+  dot), so the cost of one custom call on the host and on the GPU shows alone; each also with its input
+  donated to its output (its buffers the same every call);
 - the bench_generate model (V4-Flash per-layer shapes, 4 layers, random bf16 weights) at a synthetic 1k
-  context, then (with --fp8) the same weights quantized in place (djax.quantize_projections).
+  context, then (with --fp8) the same weights quantized in place (djax.quantize_projections); with
+  --keep-logits also the step with the last step's logits donated, so that no buffer moves between steps.
 Per workload and option set: step time (median over reps of `steps` back-to-back calls, as bench_generate
 times decode) and the time the host takes to issue a call (the calls returned before the first result is
 waited for). For the default options also, from a profiler trace: the GPU's busy time per call (stream
