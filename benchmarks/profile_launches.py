@@ -151,14 +151,16 @@ def chain(a, out: Path, variants) -> dict:
 
         for donated in (False, True):
             fn = jax.jit(f, donate_argnums=(0,) if donated else ())
-            x = jax.random.normal(jax.random.key(4), (1, n), jnp.bfloat16)
+            x = jax.ShapeDtypeStruct((1, n), jnp.bfloat16)
             name = f"chain {kind}" + (" donated" if donated else "")
             for v, c in compile_variants(fn, (x, wl), name, variants).items():
                 label = f"chain_{kind}{'_donated' if donated else ''}_{v}"
                 if isinstance(c, str):
                     res[label] = c
                     continue
-                box = [jax.random.normal(jax.random.key(4), (1, n), jnp.bfloat16)]
+                box = [
+                    jax.random.normal(jax.random.key(4), (1, n), jnp.bfloat16)
+                ]  # fresh: a donated one is gone
 
                 def call(c=c, wl=wl, box=box, donated=donated):
                     y = c(box[0], wl)
@@ -194,7 +196,7 @@ def model(params, cfg, w, a, out: Path, kind: str, variants) -> dict:
                 if isinstance(c, str):
                     res[label] = c
                     continue
-                box = [state, jnp.zeros((b, cfg.vocab_size))]
+                box = [state, jnp.zeros((b, cfg.vocab_size)) if form else None]  # [state, last logits]
 
                 def step(c=c, box=box, toks=toks, form=form):
                     if form:
