@@ -2,20 +2,23 @@
 """How a decode step reaches the GPU: the time the host takes to issue it, the GPU's idle gaps between kernels,
 and what XLA's command buffers (CUDA graphs) do to both, for djax's custom calls and XLA's own kernels.
 
-Two workloads, each compiled once per XLA option set (`VARIANTS`, passed as compiler options):
+Workloads, each compiled once per XLA option set (`VARIANTS`, passed as compiler options):
 - `chain`: a chain of projections at one row (decode's shape), x <- rms(x @ W_i^T): with FP8 weights through
   `layers.linear` (activation quantization, then the `fp8_gemm` custom call) and with bf16 weights (XLA's
   dot), so the cost of one custom call on the host and on the GPU shows alone; each also with its input
   donated to its output (its buffers the same every call);
 - the bench_generate model (V4-Flash per-layer shapes, 4 layers, random bf16 weights) at a synthetic 1k
   context, then (with --fp8) the same weights quantized in place (djax.quantize_projections); with
-  --keep-logits also the step with the last step's logits donated, so that no buffer moves between steps.
+  --keep-logits also the step with the last step's logits donated, so that no buffer moves between steps;
+- with --generate N1 N2, `djax.generate`'s decode loop (a `lax.while_loop`) for each model: a decode step's
+  time and GPU busy time from calls of N1 and N2 new tokens (`generate_loop`).
 Per workload and option set: step time (median over reps of `steps` back-to-back calls, as bench_generate
 times decode) and the time the host takes to issue a call (the calls returned before the first result is
 waited for). For the default options also, from a profiler trace: the GPU's busy time per call (stream
 kernels, overlaps merged), its idle time within the span and the largest gaps with the kernels around them.
 
     python benchmarks/profile_launches.py --batch 1 --fp8 --out $OUT    # on a GPU
+    python benchmarks/profile_launches.py --batch 1 --fp8 --chain 0 --generate 16 80 --out $OUT
     python benchmarks/profile_launches.py --tiny --batch 2 --out /tmp/pl  # CPU smoke run
     python benchmarks/profile_launches.py --plot RESULT.json               # only redraw its PNG
 """
@@ -23,6 +26,7 @@ kernels, overlaps merged), its idle time within the span and the largest gaps wi
 from __future__ import annotations
 
 import argparse
+import importlib
 import json
 import os
 import sys
@@ -39,13 +43,16 @@ import profile_decode  # noqa: E402
 import djax  # noqa: E402
 
 # XLA's command buffer kinds by default (FUSION, CUBLAS, CUBLASLT, CUSTOM_CALL, CUDNN, DYNAMIC_SLICE_FUSION),
-# none, and all but custom calls
+# none, all but custom calls, and the default's with while loops and conditionals added (a `lax.while_loop`
+# then runs as a CUDA graph's conditional node: its trip test is read on the device, not by the host)
+DEFAULT_KINDS = "FUSION,CUBLAS,CUBLASLT,CUSTOM_CALL,CUDNN,DYNAMIC_SLICE_FUSION"
 VARIANTS = {
     "default": {},
     "no_command_buffers": {"xla_gpu_enable_command_buffer": ""},
     "no_custom_calls_in_command_buffers": {
-        "xla_gpu_enable_command_buffer": "FUSION,CUBLAS,CUBLASLT,CUDNN,DYNAMIC_SLICE_FUSION"
+        "xla_gpu_enable_command_buffer": DEFAULT_KINDS.replace("CUSTOM_CALL,", "")
     },
+    "while_in_command_buffers": {"xla_gpu_enable_command_buffer": DEFAULT_KINDS + ",WHILE,CONDITIONAL"},
 }
 
 
@@ -117,12 +124,12 @@ def measure(call, a, out: Path, label: str, trace: bool) -> dict:
     return res
 
 
-def compile_variants(fn, args, label: str, variants) -> dict:
+def compile_variants(fn, args, label: str, variants, **static) -> dict:
     """{variant: compiled executable, or the error's text where XLA refused the options}."""
     out = {}
     for v in variants:
         try:
-            out[v] = fn.lower(*args).compile(compiler_options=VARIANTS[v] or None)
+            out[v] = fn.lower(*args, **static).compile(compiler_options=VARIANTS[v] or None)
         except Exception as e:  # an option this XLA does not know: recorded, the others still run
             out[v] = f"{type(e).__name__}: {e}"[:300]
             print(f"{label} {v}: {out[v]}", flush=True)
@@ -210,41 +217,135 @@ def model(params, cfg, w, a, out: Path, kind: str, variants) -> dict:
     return res
 
 
+def loop_step_figures(r: dict) -> dict:
+    """A decode step of generate's loop from its calls of n1 and n2 new tokens: the difference over n2 - n1
+    steps of the call's time, and of the traced GPU busy time and kernel count. A loop that runs as one CUDA
+    graph node (while loops in command buffers) shows the profiler none of its kernels: its busy time is None."""
+    n1, n2 = r["new_tokens"]
+    t1, t2 = r[f"trace_{n1}"], r[f"trace_{n2}"]
+    r["ms_per_decode_step"] = (r[f"ms_per_call_{n2}"] - r[f"ms_per_call_{n1}"]) / (n2 - n1)
+    r["kernels_per_decode_step"] = (t2.get("kernels_per_step", 0) - t1.get("kernels_per_step", 0)) / (n2 - n1)
+    r["gpu_busy_ms_per_decode_step"] = (
+        (t2["busy_us_per_step"] - t1["busy_us_per_step"]) / (n2 - n1) / 1e3
+        if r["kernels_per_decode_step"] >= 1
+        else None
+    )
+    return r
+
+
+def generate_loop(params, cfg, a, out: Path, kind: str, variants) -> dict:
+    """`djax.generate`'s decode loop (a `lax.while_loop`, every step inside one call): compiled for `a.generate`
+    = (n1, n2) new tokens with the same prompt and cache size, so the two calls differ only by n2 - n1 decode
+    steps; per step: the time, and from a trace of each call the GPU's busy time, both as that difference.
+    Greedy, no EOS, so every row runs every step."""
+    gm = importlib.import_module("djax.generate")  # the module (the package exports the function by its name)
+    n1, n2 = a.generate
+    eos = jnp.asarray(gm._eos_table(()))
+    cfg = cfg.replace(eos_token_id=())
+    res, first = {}, {}
+    for b in a.batch:
+        prompts = jax.random.randint(jax.random.key(b), (b, a.prompt), 2, cfg.vocab_size, jnp.int32)
+        batch = djax.Batch(prompts, jnp.full((b,), a.prompt, jnp.int32), jnp.zeros((b,), jnp.uint32))
+        compiled = {
+            n: compile_variants(
+                gm._generate,
+                (params, batch, eos),
+                f"{kind} generate b{b} +{n}",
+                variants,
+                config=cfg,
+                sampling=gm.GREEDY,
+                max_new_tokens=n,
+                max_len=a.prompt + n2,
+                moe_impl="grouped",
+            )
+            for n in (n1, n2)
+        }
+        for v in variants:
+            label = f"{kind}_generate_b{b}_{v}"
+            if any(isinstance(compiled[n][v], str) for n in (n1, n2)):
+                res[label] = next(compiled[n][v] for n in (n1, n2) if isinstance(compiled[n][v], str))
+                continue
+            r = {"new_tokens": [n1, n2], "prompt": a.prompt}
+            for n in (n1, n2):
+                c = compiled[n][v]
+                tokens = jax.block_until_ready(c(params, batch, eos)).tokens
+                # the same program under other options: the same tokens (greedy), checked against the first
+                r[f"same_tokens_as_{variants[0]}_{n}"] = bool(
+                    (tokens == first.setdefault((b, n), tokens)).all()
+                )
+                ts = []
+                for _ in range(a.reps):
+                    t0 = time.perf_counter()
+                    jax.block_until_ready(c(params, batch, eos))
+                    ts.append((time.perf_counter() - t0) * 1e3)
+                tdir = out / f"trace_{label}_{n}"
+                with jax.profiler.trace(str(tdir)):
+                    jax.block_until_ready(c(params, batch, eos))
+                r[f"ms_per_call_{n}"] = sorted(ts)[len(ts) // 2]
+                r[f"trace_{n}"] = busy_and_gaps(tdir, 1, n_gaps=4)
+                for f in tdir.rglob("*.xplane.pb"):
+                    f.unlink()
+            res[label] = loop_step_figures(r)
+            busy = r["gpu_busy_ms_per_decode_step"]
+            print(
+                f"{label}: {r['ms_per_decode_step']:.3f} ms a decode step in the loop, GPU busy "
+                + ("not traced" if busy is None else f"{busy:.3f} ms")
+                + f", {r['kernels_per_decode_step']:.0f} kernels",
+                flush=True,
+            )
+    return res
+
+
 def plot(res: dict, path: str) -> None:
     """Per workload (the chain, each model), a bar per option set: the step's time, and inside it the time the
-    host took to issue the step, so a step whose two bars meet was paced by the host."""
+    host took to issue the step, so a step whose two bars meet was paced by the host. With generate's loop in
+    the result, a second panel: its time a decode step, and inside it the GPU's busy time a step."""
     import matplotlib
 
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
 
-    groups = {}
+    panels = [  # (title, groups {workload: {variant: result}}, outer bar's key, inner bar's key, inner's name)
+        (
+            "step time and the host's time to issue it",
+            {},
+            "median_step_ms",
+            "host_issue_ms_per_step",
+            "host issue",
+        ),
+        (
+            "generate's loop: a decode step, the GPU busy in it",
+            {},
+            "ms_per_decode_step",
+            "gpu_busy_ms_per_decode_step",
+            "GPU busy",
+        ),
+    ]
     for sec in ("chain", "bf16", "fp8"):
         for label, r in res.get(sec, {}).items():
             if isinstance(r, dict):
                 variant = next(v for v in VARIANTS if label.endswith("_" + v))
+                groups = panels[1 if "_generate_" in label else 0][1]
                 groups.setdefault(label.removesuffix("_" + variant), {})[variant] = r
-    fig, ax = plt.subplots(figsize=(1.6 + 1.5 * len(groups), 4.2))
-    variants = [v for v in VARIANTS if any(v in g for g in groups.values())]
-    width = 0.8 / max(1, len(variants))
-    for i, v in enumerate(variants):
-        xs = [j + (i - (len(variants) - 1) / 2) * width for j, g in enumerate(groups.values()) if v in g]
-        rs = [g[v] for g in groups.values() if v in g]
-        bars = ax.bar(
-            xs, [r["median_step_ms"] for r in rs], width, label=f"{v}: step", alpha=0.45, color=f"C{i}"
-        )
-        ax.bar(
-            xs,
-            [r["host_issue_ms_per_step"] for r in rs],
-            width * 0.45,
-            color=f"C{i}",
-            label=f"{v}: host issue",
-        )
-        ax.bar_label(bars, fmt="%.2f", fontsize=7)
-    ax.set_xticks(range(len(groups)), [g.replace("_", " ") for g in groups], fontsize=8, rotation=15)
-    ax.set_ylabel("ms per call")
-    ax.set_title(f"{res['device']}, {res['date']}: step time and the host's time to issue it", fontsize=9)
-    ax.legend(fontsize=7)
+    panels = [p for p in panels if p[1]]
+    widths = [1.6 + 1.5 * len(p[1]) for p in panels]
+    fig, axes = plt.subplots(1, len(panels), figsize=(sum(widths), 4.2), width_ratios=widths, squeeze=False)
+    for ax, (title, groups, outer, inner, inner_name) in zip(axes[0], panels):
+        variants = [v for v in VARIANTS if any(v in g for g in groups.values())]
+        width = 0.8 / max(1, len(variants))
+        for i, v in enumerate(variants):
+            xs = [j + (i - (len(variants) - 1) / 2) * width for j, g in enumerate(groups.values()) if v in g]
+            rs = [g[v] for g in groups.values() if v in g]
+            bars = ax.bar(xs, [r[outer] for r in rs], width, label=f"{v}: time", alpha=0.45, color=f"C{i}")
+            ax.bar(  # a loop the profiler could not see into has no inner bar
+                xs, [r[inner] or 0 for r in rs], width * 0.45, color=f"C{i}", label=f"{v}: {inner_name}"
+            )
+            ax.bar_label(bars, fmt="%.2f", fontsize=7)
+        ax.set_xticks(range(len(groups)), [g.replace("_", " ") for g in groups], fontsize=8, rotation=15)
+        ax.set_ylabel("ms")
+        ax.set_title(title, fontsize=9)
+        ax.legend(fontsize=7)
+    fig.suptitle(f"{res['device']}, {res['date']}", fontsize=9)
     fig.tight_layout()
     fig.savefig(path, dpi=120)
     plt.close(fig)
@@ -267,6 +368,14 @@ def main():
     ap.add_argument(
         "--keep-logits", action="store_true", help="also the step with its logits' buffer donated"
     )
+    ap.add_argument(
+        "--generate",
+        type=int,
+        nargs=2,
+        metavar=("N1", "N2"),
+        help="also djax.generate's decode loop, from calls of N1 and N2 new tokens",
+    )
+    ap.add_argument("--prompt", type=int, default=32, help="prompt length for --generate")
     ap.add_argument("--name", default="launches")
     ap.add_argument("--out", default=os.environ.get("OUT", "/tmp/profile_launches"))
     a = ap.parse_args()
@@ -292,10 +401,14 @@ def main():
     w = bg.TINY if a.tiny else bg.FULL
     params = djax.init_params(cfg, jax.random.key(0))
     res["bf16"] = model(params, cfg, w, a, out, "bf16", variants)
+    if a.generate:
+        res["bf16"].update(generate_loop(params, cfg, a, out, "bf16", variants))
     path.write_text(json.dumps(res, indent=1))
     if a.fp8:
         params = djax.quantize_projections(params, cfg, delete_originals=True)
         res["fp8"] = model(params, cfg, w, a, out, "fp8", variants)
+        if a.generate:
+            res["fp8"].update(generate_loop(params, cfg, a, out, "fp8", variants))
         path.write_text(json.dumps(res, indent=1))
     try:
         plot(res, str(path.with_suffix(".png")))

@@ -88,3 +88,32 @@ def test_main_runs_every_workload_on_the_tiny_model(tmp_path, monkeypatch):
     for sec in ("chain", "bf16", "fp8"):
         for r in res[sec].values():
             assert r["median_step_ms"] > 0 and 0 < r["host_issue_ms_per_step"] <= max(r["step_ms"])
+
+
+def test_loop_step_figures_take_the_difference_and_leave_an_unseen_loop_blank():
+    """A decode step of generate's loop is the difference of two calls over their steps; a loop the profiler
+    saw no kernels of (one CUDA graph node) has no busy time, rather than a busy time of zero."""
+    seen = {"new_tokens": [4, 12], "ms_per_call_4": 10.0, "ms_per_call_12": 26.0}
+    seen |= {"trace_4": {"kernels_per_step": 100, "busy_us_per_step": 9000.0}}
+    seen |= {"trace_12": {"kernels_per_step": 180, "busy_us_per_step": 24200.0}}
+    r = pl.loop_step_figures(seen)
+    assert (r["ms_per_decode_step"], r["kernels_per_decode_step"]) == (2.0, 10.0)
+    assert r["gpu_busy_ms_per_decode_step"] == pytest.approx(1.9)
+    unseen = dict(seen, trace_12={"kernels_per_step": 100, "busy_us_per_step": 9001.0})
+    assert pl.loop_step_figures(unseen)["gpu_busy_ms_per_decode_step"] is None
+
+
+def test_main_times_generate_loop_under_two_option_sets(tmp_path, monkeypatch):
+    """`--generate N1 N2` on the CPU: both lengths compiled under each option set, the tokens the same as the
+    first set's, a decode step's time from the difference."""
+    args = "--tiny --batch 2 --steps 1 --reps 1 --trace-steps 1 --chain 0 --generate 2 4 --prompt 8"
+    variants = "default,while_in_command_buffers"
+    argv = ["profile_launches.py", *args.split(), "--variants", variants, "--out", str(tmp_path)]
+    monkeypatch.setattr(sys, "argv", argv)
+    pl.main()
+    res = json.loads((tmp_path / "launches.json").read_text())["bf16"]
+    for v in variants.split(","):
+        r = res[f"bf16_generate_b2_{v}"]
+        assert r["same_tokens_as_default_2"] and r["same_tokens_as_default_4"]
+        assert r["ms_per_call_4"] > 0 and r["ms_per_call_2"] > 0
+        assert r["ms_per_decode_step"] == (r["ms_per_call_4"] - r["ms_per_call_2"]) / 2
