@@ -7,6 +7,7 @@ name (the device-side events), printed as a table and written as JSON.
 
     python benchmarks/profile_decode.py --batch 1 64 --out $OUT          # on a GPU
     python benchmarks/profile_decode.py --batch 1 --also-fp8 --out $OUT  # then FP8 projections and experts
+    python benchmarks/profile_decode.py --batch 1 --also-fp8 --hlo --out $OUT  # and the top fusions' HLO
     python benchmarks/profile_decode.py --tiny --batch 2 --out /tmp/prof # CPU smoke run (host events)
 """
 
@@ -16,6 +17,7 @@ import argparse
 import gzip
 import json
 import os
+import shutil
 import sys
 import time
 from collections import defaultdict
@@ -28,6 +30,13 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))
 import bench_generate as bg  # noqa: E402
 
 import djax  # noqa: E402
+
+
+def fresh_trace_dir(path: Path) -> Path:
+    """`path` emptied of any earlier trace: readers take the first trace file they find under it, so a trace
+    left there by an earlier run into the same folder would be read in place of this one."""
+    shutil.rmtree(path, ignore_errors=True)
+    return path
 
 
 def stream_kernels(trace_dir: Path) -> list[dict]:
@@ -81,6 +90,11 @@ def main():
         help="then quantize the same weights in place (djax.quantize_projections: projections and routed "
         "experts FP8, 128x128 scales) and profile the same batches again, keyed fp8 in the JSON",
     )
+    ap.add_argument(
+        "--hlo",
+        action="store_true",
+        help="also write each step's optimized HLO, and give the top kernels that are XLA fusions their HLO",
+    )
     ap.add_argument("--out", default=os.environ.get("OUT", "/tmp/profile"))
     a = ap.parse_args()
     out = Path(a.out)
@@ -97,6 +111,35 @@ def main():
     (out / "profile_decode.json").write_text(json.dumps(res, indent=1))
 
 
+def fusion_text(hlo: str, name: str, limit: int = 3000) -> str | None:
+    """The HLO of the fusion a kernel is named after: its instruction line in the module, then the fused
+    computation it calls (cut at `limit` characters), or None where no instruction has that name."""
+    lines = hlo.splitlines()
+    # the trace names a kernel after its instruction with the number's "." as "_" (fusion.7: fusion_7)
+    head, _, num = name.rpartition("_")
+    names = {name, f"{head}.{num}"} if num.isdigit() else {name}
+    inst = next(
+        (
+            ln.strip().removeprefix("ROOT ")
+            for ln in lines
+            if ln.strip().removeprefix("ROOT ").split(" = ")[0][1:] in names
+        ),
+        None,
+    )
+    if inst is None:
+        return None
+    called = inst.split("calls=%")[1].split(",")[0].split(" ")[0] if "calls=%" in inst else None
+    body = []
+    if called:
+        start = next((i for i, ln in enumerate(lines) if ln.startswith(f"%{called} ")), None)
+        if start is not None:
+            for ln in lines[start:]:
+                body.append(ln)
+                if ln.startswith("}"):
+                    break
+    return "\n".join([inst, *body])[:limit]
+
+
 def profile(params, cfg, w, a, out: Path, runs: dict, label: str):
     """Per batch size: a few traced decode steps, their kernels summed by name into runs[b]."""
     for b in a.batch:
@@ -105,7 +148,7 @@ def profile(params, cfg, w, a, out: Path, runs: dict, label: str):
         for _ in range(2):  # compile and warm up
             logits, state = djax.decode(params, toks, state, cfg, moe_impl=a.moe_impl)
         jax.block_until_ready(logits)
-        tdir = out / f"trace_{label.strip()}b{b}"
+        tdir = fresh_trace_dir(out / f"trace_{label.strip()}b{b}")
         t0 = time.perf_counter()
         with jax.profiler.trace(str(tdir), create_perfetto_trace=True):
             for _ in range(a.steps):
@@ -118,6 +161,12 @@ def profile(params, cfg, w, a, out: Path, runs: dict, label: str):
             "device_us_per_step": total / a.steps,
             "top": [dict(r, us=r["us"] / a.steps, calls=r["calls"] / a.steps) for r in rows[:40]],
         }
+        if a.hlo:
+            text = djax.decode.lower(params, toks, state, cfg, moe_impl=a.moe_impl).compile().as_text()
+            (out / f"hlo_{label.strip()}b{b}.txt").write_text(text)
+            for r in runs[b]["top"][:25]:
+                if hlo := fusion_text(text, r["name"]):
+                    r["hlo"] = hlo
         print(
             f"{label}batch {b}: {wall * 1e3:.2f} ms/step wall, {total / a.steps / 1e3:.2f} ms/step in traced events"
         )

@@ -102,7 +102,7 @@ def measure(call, a, out: Path, label: str, trace: bool) -> dict:
         "host_issue_ms_per_step": sorted(issue)[len(issue) // 2] * 1e3,
     }
     if trace:
-        tdir = out / f"trace_{label}"
+        tdir = profile_decode.fresh_trace_dir(out / f"trace_{label}")
         with jax.profiler.trace(str(tdir), create_perfetto_trace=True):
             for _ in range(a.trace_steps):
                 r = call()
@@ -278,7 +278,7 @@ def generate_loop(params, cfg, a, out: Path, kind: str, variants) -> dict:
                     t0 = time.perf_counter()
                     jax.block_until_ready(c(params, batch, eos))
                     ts.append((time.perf_counter() - t0) * 1e3)
-                tdir = out / f"trace_{label}_{n}"
+                tdir = profile_decode.fresh_trace_dir(out / f"trace_{label}_{n}")
                 with jax.profiler.trace(str(tdir)):
                     jax.block_until_ready(c(params, batch, eos))
                 r[f"ms_per_call_{n}"] = sorted(ts)[len(ts) // 2]
@@ -351,9 +351,41 @@ def plot(res: dict, path: str) -> None:
     plt.close(fig)
 
 
+def plot_runs(res: dict, path: str) -> None:
+    """Runs of the same workloads side by side (`res["runs"]`: {run name: a result of this script}, as an A/B
+    of a change keeps them): per workload a bar per run at its step time, a dot per rep."""
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    runs = res["runs"]
+    labels = list(dict.fromkeys(k for r in runs.values() for sec in ("bf16", "fp8") for k in r.get(sec, {})))
+    width = 0.8 / len(runs)
+    fig, ax = plt.subplots(figsize=(1.6 + 1.4 * len(labels), 4.2))
+    for i, (name, r) in enumerate(runs.items()):
+        got = {k: v for sec in ("bf16", "fp8") for k, v in r.get(sec, {}).items() if isinstance(v, dict)}
+        xs = [j + (i - (len(runs) - 1) / 2) * width for j, k in enumerate(labels) if k in got]
+        meds = [got[k]["median_step_ms"] for k in labels if k in got]
+        bars = ax.bar(xs, meds, width, color=f"C{i}", alpha=0.6, label=name)
+        ax.bar_label(bars, fmt="%.3f", fontsize=6)
+        for x, k in zip(xs, [k for k in labels if k in got]):
+            ax.plot([x] * len(got[k]["step_ms"]), got[k]["step_ms"], ".", color="k", ms=3)
+    ax.set_xticks(
+        range(len(labels)), [k.removesuffix("_default").replace("_", " ") for k in labels], fontsize=8
+    )
+    ax.set_ylabel("ms a step")
+    ax.set_title(f"{res['device']}, {res['date']}: {res.get('title', '')}", fontsize=9)
+    ax.legend(fontsize=7)
+    fig.tight_layout()
+    fig.savefig(path, dpi=120)
+    plt.close(fig)
+
+
 def main():
     ap = argparse.ArgumentParser()
     ap.add_argument("--plot", metavar="JSON", help="only draw the PNG of an earlier run's JSON, beside it")
+    ap.add_argument("--plot-runs", metavar="JSON", help="the same for a JSON of several runs (`plot_runs`)")
     ap.add_argument("--tiny", action="store_true")
     ap.add_argument("--batch", type=int, nargs="+", default=[1])
     ap.add_argument("--steps", type=int, default=16)
@@ -379,8 +411,10 @@ def main():
     ap.add_argument("--name", default="launches")
     ap.add_argument("--out", default=os.environ.get("OUT", "/tmp/profile_launches"))
     a = ap.parse_args()
-    if a.plot:
-        plot(json.loads(Path(a.plot).read_text()), a.plot.removesuffix(".json") + ".png")
+    if a.plot or a.plot_runs:
+        draw = plot if a.plot else plot_runs
+        path = a.plot or a.plot_runs
+        draw(json.loads(Path(path).read_text()), path.removesuffix(".json") + ".png")
         return
     out = Path(a.out)
     out.mkdir(parents=True, exist_ok=True)

@@ -117,3 +117,53 @@ def test_main_times_generate_loop_under_two_option_sets(tmp_path, monkeypatch):
         assert r["same_tokens_as_default_2"] and r["same_tokens_as_default_4"]
         assert r["ms_per_call_4"] > 0 and r["ms_per_call_2"] > 0
         assert r["ms_per_decode_step"] == (r["ms_per_call_4"] - r["ms_per_call_2"]) / 2
+
+
+def test_fusion_text_finds_the_kernel_by_its_trace_name():
+    """The trace names a fusion's kernel with "_" for the "." of its HLO name; the text is its instruction and
+    the computation it calls, and None for a kernel no instruction is named after (a custom call's)."""
+    hlo = "\n".join(
+        [
+            "%fused_concatenate.7 (p0: bf16[1,128,512]) -> bf16[1,129,512] {",
+            "  ROOT %c = bf16[1,129,512] concatenate(%p0, %p0)",
+            "}",
+            "ENTRY %main {",
+            "  %input_concatenate_fusion.7 = bf16[1,129,512] fusion(%a), kind=kInput, calls=%fused_concatenate.7",
+            "  ROOT %input_reduce_fusion = f32[8] fusion(%b), kind=kInput, calls=%fused_reduce",
+            "}",
+        ]
+    )
+    got = pl.profile_decode.fusion_text(hlo, "input_concatenate_fusion_7")
+    assert got.splitlines()[0].startswith("%input_concatenate_fusion.7 = ")
+    assert got.splitlines()[1].startswith("%fused_concatenate.7 ") and got.splitlines()[-1] == "}"
+    assert pl.profile_decode.fusion_text(hlo, "input_reduce_fusion").startswith("%input_reduce_fusion = ")
+    assert pl.profile_decode.fusion_text(hlo, "fp8_gemm_kernel") is None
+
+
+def test_fresh_trace_dir_leaves_no_earlier_trace(tmp_path):
+    """A second run into the same folder must read its own trace: the readers take the first file they find."""
+    old = _trace(tmp_path) / "t"
+    assert list(old.rglob("*.trace.json.gz"))
+    assert pl.profile_decode.fresh_trace_dir(old) == old and not old.exists()
+
+
+def test_plot_runs_draws_each_run_beside_the_others(tmp_path):
+    """An A/B of a change: per workload a bar per run, a run that lacks a workload left out there."""
+    pytest.importorskip("matplotlib")
+    r = {"median_step_ms": 1.5, "host_issue_ms_per_step": 0.7, "step_ms": [1.4, 1.5, 1.6]}
+    runs = {"with": {"bf16": {"bf16_b1_default": r}, "fp8": {"fp8_b1_default": r}}, "without": {"bf16": {}}}
+    pl.plot_runs({"date": "2026-12-06", "device": "test", "runs": runs}, str(tmp_path / "ab.png"))
+    assert (tmp_path / "ab.png").stat().st_size > 1000
+
+
+def test_profile_decode_writes_the_hlo_of_its_top_fusions(tmp_path, monkeypatch):
+    """`profile_decode.py --hlo` on the CPU: the step's optimized HLO beside the JSON, and the top kernels that
+    are fusions of that HLO carry their text."""
+    argv = ["profile_decode.py", "--tiny", "--batch", "2", "--steps", "1", "--hlo", "--out", str(tmp_path)]
+    monkeypatch.setattr(sys, "argv", argv)
+    pl.profile_decode.main()
+    res = json.loads((tmp_path / "profile_decode.json").read_text())
+    hlo = (tmp_path / "hlo_b2.txt").read_text()
+    assert "ENTRY" in hlo
+    with_text = [r for r in res["runs"]["2"]["top"] if "hlo" in r]
+    assert with_text and all(r["hlo"].split(" = ")[0].lstrip("%") in hlo for r in with_text)
