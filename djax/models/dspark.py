@@ -69,9 +69,9 @@ def commit(mtp: list, main_x: jax.Array, dstate: dict, valid: jax.Array, cfg: Mo
         kv = rms_norm(
             linear(main_x, lp["attn"]["wkv"]["weight"]), lp["attn"]["kv_norm"]["weight"], cfg.rms_norm_eps
         )
-        kv = v4._rotate(kv, pos, inv, heads=False).astype(ring.dtype)
+        kv = v4._rotate(kv, pos, inv, heads=False)
         w = ring.shape[1]
-        rows = jnp.concatenate([v4.ordered_ring(ring, pos0 - w), kv], axis=1)
+        rows = v4.ring_then(ring, pos0 - w, kv)
         rings.append(v4._place_ring(v4.refill_ring(rows, valid, w), pos0 + valid - w))
     return {"layers": rings, "lengths": pos0 + valid}
 
@@ -82,7 +82,7 @@ def _attend(p: dict, x: jax.Array, ring: jax.Array, pos0: jax.Array, cfg: ModelC
     pos = pos0[:, None] + jnp.arange(c)
     _, q, kv = v4._q_kv(p, x, pos, cfg, inv)
     w = ring.shape[1]
-    keys = jnp.concatenate([v4.ordered_ring(ring, pos0 - w), kv.astype(ring.dtype)], axis=1)
+    keys = v4.ring_then(ring, pos0 - w, kv)
     kpos = pos0[:, None] - w + jnp.arange(w)
     past = (kpos >= 0)[:, None, :] & (pos[:, :, None] - kpos[:, None, :] < cfg.sliding_window)
     mask = jnp.concatenate([past, jnp.ones((b, c, c), bool)], axis=-1)  # the block attends both ways

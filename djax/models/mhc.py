@@ -31,7 +31,10 @@ def sinkhorn(logits: jax.Array, iters: int, eps: float, unroll: bool | None = No
     # cheap on the CPU and unrolling doubles compile times there.
     if unroll is None:
         unroll = jax.default_backend() == "gpu"
-    return jax.lax.fori_loop(0, iters - 1, step, comb, unroll=unroll)
+    comb = jax.lax.fori_loop(0, iters - 1, step, comb, unroll=unroll)
+    # Unrolled, the iterations are one expression that XLA copied into each of its consumers' kernels: four
+    # kernels a call recomputed the whole chain, about 3 us each at batch 1. The barrier has it computed once.
+    return jax.lax.optimization_barrier(comb) if unroll else comb
 
 
 def hc_pre(
