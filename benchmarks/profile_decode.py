@@ -33,9 +33,11 @@ import djax  # noqa: E402
 
 
 def fresh_trace_dir(path: Path) -> Path:
-    """`path` emptied of any earlier trace: readers take the first trace file they find under it, so a trace
-    left there by an earlier run into the same folder would be read in place of this one."""
+    """`path`, with any earlier trace there deleted: readers take the first trace file they find under it, so a
+    trace left by an earlier run into the same folder would be read in place of this one."""
     shutil.rmtree(path, ignore_errors=True)
+    if path.exists():
+        raise RuntimeError(f"{path}: an earlier trace there could not be deleted")
     return path
 
 

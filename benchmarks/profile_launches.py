@@ -14,8 +14,9 @@ Workloads, each compiled once per XLA option set (`VARIANTS`, passed as compiler
   time and GPU busy time from calls of N1 and N2 new tokens (`generate_loop`).
 Per workload and option set: step time (median over reps of `steps` back-to-back calls, as bench_generate
 times decode) and the time the host takes to issue a call (the calls returned before the first result is
-waited for). For the default options also, from a profiler trace: the GPU's busy time per call (stream
-kernels, overlaps merged), its idle time within the span and the largest gaps with the kernels around them.
+waited for). For the default options also (for generate's loop, every option set), from a profiler trace:
+the GPU's busy time per call (stream kernels, overlaps merged), its idle time within the span and the largest
+gaps with the kernels around them.
 
     python benchmarks/profile_launches.py --batch 1 --fp8 --out $OUT    # on a GPU
     python benchmarks/profile_launches.py --batch 1 --fp8 --chain 0 --generate 16 80 --out $OUT
@@ -220,13 +221,14 @@ def model(params, cfg, w, a, out: Path, kind: str, variants) -> dict:
 def loop_step_figures(r: dict) -> dict:
     """A decode step of generate's loop from its calls of n1 and n2 new tokens: the difference over n2 - n1
     steps of the call's time, and of the traced GPU busy time and kernel count. A loop that runs as one CUDA
-    graph node (while loops in command buffers) shows the profiler none of its kernels: its busy time is None."""
+    graph node (while loops in command buffers) shows the profiler none of its body's kernels (the trace has
+    the same kernels at both lengths): its busy time is None rather than a step's few launch kernels."""
     n1, n2 = r["new_tokens"]
     t1, t2 = r[f"trace_{n1}"], r[f"trace_{n2}"]
     r["ms_per_decode_step"] = (r[f"ms_per_call_{n2}"] - r[f"ms_per_call_{n1}"]) / (n2 - n1)
     r["kernels_per_decode_step"] = (t2.get("kernels_per_step", 0) - t1.get("kernels_per_step", 0)) / (n2 - n1)
     r["gpu_busy_ms_per_decode_step"] = (
-        (t2["busy_us_per_step"] - t1["busy_us_per_step"]) / (n2 - n1) / 1e3
+        (t2.get("busy_us_per_step", 0.0) - t1.get("busy_us_per_step", 0.0)) / (n2 - n1) / 1e3
         if r["kernels_per_decode_step"] >= 1
         else None
     )
@@ -246,6 +248,7 @@ def generate_loop(params, cfg, a, out: Path, kind: str, variants) -> dict:
     for b in a.batch:
         prompts = jax.random.randint(jax.random.key(b), (b, a.prompt), 2, cfg.vocab_size, jnp.int32)
         batch = djax.Batch(prompts, jnp.full((b,), a.prompt, jnp.int32), jnp.zeros((b,), jnp.uint32))
+        gm.validate(batch, cfg, n2, a.prompt + n2)  # what djax.generate checks before it compiles
         compiled = {
             n: compile_variants(
                 gm._generate,
@@ -269,10 +272,9 @@ def generate_loop(params, cfg, a, out: Path, kind: str, variants) -> dict:
             for n in (n1, n2):
                 c = compiled[n][v]
                 tokens = jax.block_until_ready(c(params, batch, eos)).tokens
-                # the same program under other options: the same tokens (greedy), checked against the first
-                r[f"same_tokens_as_{variants[0]}_{n}"] = bool(
-                    (tokens == first.setdefault((b, n), tokens)).all()
-                )
+                # the same program under other options: the same tokens (greedy) as the first option set's
+                ref = first.setdefault((b, n), (v, tokens))
+                r[f"same_tokens_as_{ref[0]}_{n}"] = bool((tokens == ref[1]).all())
                 ts = []
                 for _ in range(a.reps):
                     t0 = time.perf_counter()
@@ -300,6 +302,8 @@ def plot(res: dict, path: str) -> None:
     """Per workload (the chain, each model), a bar per option set: the step's time, and inside it the time the
     host took to issue the step, so a step whose two bars meet was paced by the host. With generate's loop in
     the result, a second panel: its time a decode step, and inside it the GPU's busy time a step."""
+    if "runs" in res:
+        raise SystemExit("a result of several runs: draw it with --plot-runs")
     import matplotlib
 
     matplotlib.use("Agg")
@@ -360,11 +364,22 @@ def plot_runs(res: dict, path: str) -> None:
     import matplotlib.pyplot as plt
 
     runs = res["runs"]
-    labels = list(dict.fromkeys(k for r in runs.values() for sec in ("bf16", "fp8") for k in r.get(sec, {})))
+
+    def steps(
+        r,
+    ):  # the timed steps: an option set XLA refused holds its error's text, generate's loop other figures
+        return {
+            k: v
+            for sec in ("bf16", "fp8")
+            for k, v in r.get(sec, {}).items()
+            if isinstance(v, dict) and "median_step_ms" in v
+        }
+
+    labels = list(dict.fromkeys(k for r in runs.values() for k in steps(r)))
     width = 0.8 / len(runs)
-    fig, ax = plt.subplots(figsize=(1.6 + 1.4 * len(labels), 4.2))
+    fig, ax = plt.subplots(figsize=(max(7.0, 1.6 + 1.4 * len(labels)), 4.2))
     for i, (name, r) in enumerate(runs.items()):
-        got = {k: v for sec in ("bf16", "fp8") for k, v in r.get(sec, {}).items() if isinstance(v, dict)}
+        got = steps(r)
         xs = [j + (i - (len(runs) - 1) / 2) * width for j, k in enumerate(labels) if k in got]
         meds = [got[k]["median_step_ms"] for k in labels if k in got]
         bars = ax.bar(xs, meds, width, color=f"C{i}", alpha=0.6, label=name)

@@ -43,7 +43,7 @@ def test_rolled_and_unrolled_gradients_agree():
 @pytest.mark.parametrize("unroll", [True, False])
 def test_unrolled_sinkhorn_is_computed_once_behind_a_barrier(unroll):
     """Unrolled (the GPU default), the result passes an optimization barrier, so that XLA computes the chain in
-    one kernel rather than copying it into each consumer's (four 3 us kernels a call at batch 1 on a GPU);
+    one kernel rather than copying it into each consumer's (four kernels a call at batch 1 on a GPU);
     rolled, the loop's result is in memory anyway and no barrier is added."""
     jaxpr = jax.make_jaxpr(lambda x: sinkhorn(x, 20, 1e-6, unroll))(np.ones((2, 4, 4), np.float32))
     names = [e.primitive.name for e in jaxpr.jaxpr.eqns]
