@@ -41,6 +41,13 @@ def fresh_trace_dir(path: Path) -> Path:
     return path
 
 
+def step_tokens(cfg, b: int) -> jax.Array:
+    """The tokens every decode step is fed: one random id per row, the same each step (so that a step's input
+    buffer can stay in place). One id for all rows would send every row to the same experts in the
+    hash-routed layers, which route by token id: a lighter step than a batch of different tokens."""
+    return jax.random.randint(jax.random.key(b), (b,), 2, cfg.vocab_size, jnp.int32)
+
+
 def stream_kernels(trace_dir: Path) -> list[dict]:
     """The trace's complete events on the device's stream threads (all its events if it has no device track).
 
@@ -146,7 +153,7 @@ def profile(params, cfg, w, a, out: Path, runs: dict, label: str):
     """Per batch size: a few traced decode steps, their kernels summed by name into runs[b]."""
     for b in a.batch:
         state = bg.synthetic_state(cfg, b, w["max_len"], w["context"], b)
-        toks = jnp.zeros((b,), jnp.int32) + 7
+        toks = step_tokens(cfg, b)
         for _ in range(2):  # compile and warm up
             logits, state = djax.decode(params, toks, state, cfg, moe_impl=a.moe_impl)
         jax.block_until_ready(logits)

@@ -192,7 +192,7 @@ def model(params, cfg, w, a, out: Path, kind: str, variants) -> dict:
         )  # `last` unused: donated, its buffer (same shape and dtype) takes the new logits
     for b in a.batch:
         state = bg.synthetic_state(cfg, b, w["max_len"], w["context"], b)
-        toks = jnp.zeros((b,), jnp.int32) + 7
+        toks = profile_decode.step_tokens(cfg, b)
         for form, fn in forms.items():
             args = (
                 (params, toks, state, cfg)
