@@ -127,14 +127,8 @@ def fusion_text(hlo: str, name: str, limit: int = 3000) -> str | None:
     # the trace names a kernel after its instruction with the number's "." as "_" (fusion.7: fusion_7)
     head, _, num = name.rpartition("_")
     names = {name, f"{head}.{num}"} if num.isdigit() else {name}
-    inst = next(
-        (
-            ln.strip().removeprefix("ROOT ")
-            for ln in lines
-            if ln.strip().removeprefix("ROOT ").split(" = ")[0][1:] in names
-        ),
-        None,
-    )
+    insts = (ln.strip().removeprefix("ROOT ") for ln in lines)
+    inst = next((i for i in insts if i.split(" = ")[0][1:] in names), None)
     if inst is None:
         return None
     called = inst.split("calls=%")[1].split(",")[0].split(" ")[0] if "calls=%" in inst else None

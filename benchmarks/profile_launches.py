@@ -365,9 +365,8 @@ def plot_runs(res: dict, path: str) -> None:
 
     runs = res["runs"]
 
-    def steps(
-        r,
-    ):  # the timed steps: an option set XLA refused holds its error's text, generate's loop other figures
+    def steps(r):
+        """The timed steps: an option set XLA refused holds its error's text, generate's loop other figures."""
         return {
             k: v
             for sec in ("bf16", "fp8")
