@@ -8,6 +8,7 @@ name (the device-side events), printed as a table and written as JSON.
     python benchmarks/profile_decode.py --batch 1 64 --out $OUT          # on a GPU
     python benchmarks/profile_decode.py --batch 1 --also-fp8 --out $OUT  # then FP8 projections and experts
     python benchmarks/profile_decode.py --batch 1 --also-fp8 --hlo --out $OUT  # and the top fusions' HLO
+    python benchmarks/profile_decode.py --batch 1 --also-fp8 --scale-fmt ue8m0 --out $OUT  # V4's scales
     python benchmarks/profile_decode.py --tiny --batch 2 --out /tmp/prof # CPU smoke run (host events)
 """
 
@@ -100,6 +101,12 @@ def main():
         "experts FP8, 128x128 scales) and profile the same batches again, keyed fp8 in the JSON",
     )
     ap.add_argument(
+        "--scale-fmt",
+        choices=["ue8m0"],
+        help="with --also-fp8: the FP8 block scales as V4's checkpoints hold them (powers of two, UE8M0); "
+        "default plain float32 scales",
+    )
+    ap.add_argument(
         "--hlo",
         action="store_true",
         help="also write each step's optimized HLO, and give the top kernels that are XLA fusions their HLO",
@@ -114,8 +121,8 @@ def main():
     res = {"date": time.strftime("%Y-%m-%d"), "device": jax.devices()[0].device_kind, "runs": {}}
     profile(params, cfg, w, a, out, res["runs"], "")
     if a.also_fp8:
-        params = djax.quantize_projections(params, cfg, delete_originals=True)
-        res["fp8"] = {}
+        params = djax.quantize_projections(params, cfg, scale_fmt=a.scale_fmt, delete_originals=True)
+        res["fp8"], res["fp8_scale_fmt"] = {}, a.scale_fmt or "float32"
         profile(params, cfg, w, a, out, res["fp8"], "fp8 ")
     (out / "profile_decode.json").write_text(json.dumps(res, indent=1))
 

@@ -412,6 +412,11 @@ def main():
         "--fp8", action="store_true", help="then the model's weights as FP8 (quantize_projections)"
     )
     ap.add_argument(
+        "--scale-fmt",
+        choices=["ue8m0"],
+        help="with --fp8: the block scales as V4's checkpoints hold them (UE8M0); default plain float32",
+    )
+    ap.add_argument(
         "--keep-logits", action="store_true", help="also the step with its logits' buffer donated"
     )
     ap.add_argument(
@@ -453,7 +458,8 @@ def main():
         res["bf16"].update(generate_loop(params, cfg, a, out, "bf16", variants))
     path.write_text(json.dumps(res, indent=1))
     if a.fp8:
-        params = djax.quantize_projections(params, cfg, delete_originals=True)
+        params = djax.quantize_projections(params, cfg, scale_fmt=a.scale_fmt, delete_originals=True)
+        res["fp8_scale_fmt"] = a.scale_fmt or "float32"
         res["fp8"] = model(params, cfg, w, a, out, "fp8", variants)
         if a.generate:
             res["fp8"].update(generate_loop(params, cfg, a, out, "fp8", variants))

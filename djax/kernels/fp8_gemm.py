@@ -29,6 +29,7 @@ from djax.kernels.grouped_gemm_triton import GemmConfig, masked_config
 IMPLS = ("ref", "triton", "tilelang", "interpret")
 GROUPED_IMPLS = ("ref", "triton", "interpret")
 WEIGHT_IMPLS = ("ref", "triton", "interpret")
+QUANT_IMPLS = ("ref", "triton", "interpret")
 CONTIGUOUS_IMPLS = ("ref", "triton", "tilelang", "interpret")
 # Masked layout without a config: the widest of these tiles whose height divides the rows per group. H200,
 # V4-Flash's gate/up shape at 64 rows per group (kernels_h200_fp8_grouped_tilelang.json): 64-row tiles
@@ -115,6 +116,46 @@ def fp8_weight_gemm(a, b, b_scale, block, impl: str = "auto", cfg=None, decode: 
         c = _launch(wk.fp8_weight_gemm_kernel, names, args, out, cx, cfg, wk.grid(m, n, cfg, g))
     c = c if splits == 1 else c.sum(0).astype(a.dtype)
     return c[0] if plain else c
+
+
+def fp8_quant_gemm(
+    a, b, b_scale, ue8m0: bool = False, impl: str = "auto", cfg=None, rounding: str | None = None
+):
+    """`fp8_gemm(*quantize_act(a, ue8m0), b, b_scale)` in a's dtype, with a's 1 x 128 quantization done inside
+    the GEMM kernel (`fp8_quant_triton`): one kernel (and the split-K sum) where the two-step form runs the
+    quantization's kernels first. For the few rows of a decode step. a [m, k] bf16; b e4m3 [n, k] with 128 x
+    128 scales b_scale [n / 128, k / 128]; n and k multiples of 128. With ue8m0 (power-of-two scales) the
+    kernel multiplies by each scale's exact inverse; with plain scales it divides by IEEE rules, which made it
+    slower than the two steps on an H100 (djax/kernels/NOTES.md), so the model takes it for UE8M0 weights.
+
+    impl "triton", "interpret" (that kernel in Triton's CPU interpreter, float32 stand-ins), "ref" (the
+    two-step jnp reference), or "auto" (Triton on CUDA). cfg: an `Fp8Config` (None:
+    `fp8_quant_triton.quant_config`); rounding: how the kernel rounds a / scale to e4m3 ("cast" or "bits";
+    None: "cast" compiled, "bits" interpreted)."""
+    from djax.kernels import fp8_quant_triton as qk
+    from djax.kernels.fp8_gemm_ref import quantize_act
+
+    shapes.fp8_quant(a, b, b_scale)
+    impl = resolve(impl, QUANT_IMPLS)
+    if impl == "ref":
+        return fp8_gemm_ref(*quantize_act(a, ue8m0), b, b_scale, a.dtype)
+    m, k = a.shape
+    n = b.shape[0]
+    cfg = cfg or qk.quant_config(m, n, k)
+    rounding = rounding or ("bits" if impl == "interpret" else "cast")
+    cx = qk.constexprs(m, n, k, ue8m0, rounding, cfg)  # checks the config at trace time, before any callback
+    splits = split_k(cfg)
+    out = jax.ShapeDtypeStruct((m, n), a.dtype)
+    if splits > 1:  # each split writes an f32 partial, summed and cast after the kernel
+        out = jax.ShapeDtypeStruct((splits, m, n), jnp.float32)
+    args = [a, b, b_scale.astype(jnp.float32)]
+    if impl == "interpret":
+        host = lambda *h: _host_quant(ue8m0, cfg, rounding, out.dtype, *h)  # noqa: E731
+        c = jax.pure_callback(host, out, *args)
+    else:
+        names = ["a_ptr", "b_ptr", "bs_ptr", "c_ptr"]
+        c = _launch(qk.fp8_quant_gemm_kernel, names, args, out, cx, cfg, qk.grid(m, n, cfg))
+    return c if splits == 1 else c.sum(0).astype(a.dtype)
 
 
 def auto_takes_tilelang(a, b, out_dtype) -> bool:
@@ -330,6 +371,13 @@ def _host_weight(block, cfg, decode, out_dtype, a, codes, scale):
     from djax.kernels.fp8_weight_triton import launch_torch
 
     out = launch_torch(_torch(a), _torch(codes, np.uint8), _torch(scale), block, cfg, decode)
+    return out.numpy().astype(out_dtype)
+
+
+def _host_quant(ue8m0, cfg, rounding, out_dtype, a, b, scale):
+    from djax.kernels.fp8_quant_triton import launch_torch
+
+    out = launch_torch(_torch(a), _torch(b), _torch(scale), ue8m0, cfg, rounding)
     return out.numpy().astype(out_dtype)
 
 

@@ -31,9 +31,10 @@ def _expand(scale, axis: int, size: int):
 
 def quantize_act(x, ue8m0: bool = False):
     """x [..., m, k] -> (fp8[..., m, k], f32[..., m, ceil(k/128)]): one scale per row and 128 columns,
-    amax / 448. ue8m0: as DeepSeek's inference quantizes activations for weights with UE8M0 scales
-    (`scale_fmt` "ue8m0", V3.1 on and V4): amax floored at 1e-4, times float32(1 / 448), rounded up to a
-    power of two, so x / scale is exact and the block's max lands in [224, 448]."""
+    amax / 448 (taken as amax times float32(1 / 448)). ue8m0: as DeepSeek's inference quantizes activations
+    for weights with UE8M0 scales (`scale_fmt` "ue8m0", V3.1 on and V4): amax floored at 1e-4, times
+    float32(1 / 448), rounded up to a power of two, so x / scale is exact and the block's max lands in
+    [224, 448]."""
     from djax.quant import pow2_ceil  # here: djax.quant is the model's; the kernels' references need none
 
     *lead, m, k = x.shape
@@ -44,8 +45,9 @@ def quantize_act(x, ue8m0: bool = False):
     amax = jnp.abs(xb).max(-1)
     if ue8m0:
         s = pow2_ceil(jnp.maximum(amax, F32(1e-4)) * F32(1 / FP8_MAX))
-    else:
-        s = jnp.maximum(amax, 1e-12) / FP8_MAX
+    else:  # times the float32 reciprocal, not a division: XLA's CPU backend makes the one into the other, and
+        # a GPU kernel that quantizes in its prologue (fp8_quant_triton) must get the same scale on any backend
+        s = jnp.maximum(amax, 1e-12) * F32(1 / FP8_MAX)
     q = (xb / s[..., None]).reshape(*lead, m, -1)[..., :k].astype(FP8)
     return q, s
 

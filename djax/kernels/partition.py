@@ -114,6 +114,18 @@ def fp8_gemm(impl: str):
 
 
 @functools.cache
+def fp8_quant_gemm(impl: str):
+    """djax.kernels.fp8_gemm.fp8_quant_gemm(a, b, b_scale, ue8m0): rows of a split."""
+
+    def fn(a, b, b_scale, ue8m0):
+        from djax.kernels import fp8_gemm as _fp8
+
+        return _fp8.fp8_quant_gemm(a, b, b_scale, ue8m0, impl=impl)
+
+    return batch_sharded(fn, "m k, n k, i j -> m n", (True, False, False), static_argnums=(3,))
+
+
+@functools.cache
 def fp8_weight_gemm(impl: str):
     """djax.kernels.fp8_gemm.fp8_weight_gemm(a, b, b_scale, block): rows of a split."""
 

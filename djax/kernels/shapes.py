@@ -27,6 +27,20 @@ def fp8_dense(a, a_scale, b, b_scale) -> None:
     expect("fp8_gemm", "b_scale", b_scale, (scale_blocks(b.shape[0]), scale_blocks(k)))
 
 
+def fp8_quant(a, b, b_scale) -> None:
+    """a [m, k] (not quantized), b [n, k] e4m3, b_scale [n / 128, k / 128]; n and k multiples of 128."""
+    op = "fp8_quant_gemm"
+    expect(op, "a", a, (None, None))
+    m, k = a.shape
+    expect(op, "b", b, (None, k))
+    n = b.shape[0]
+    if n % 128 or k % 128:
+        raise ValueError(f"{op}: n {n} and k {k} must be multiples of 128 (whole 128 x 128 scale blocks)")
+    expect(op, "b_scale", b_scale, (n // 128, k // 128))
+    if b.dtype != jnp.float8_e4m3fn:
+        raise ValueError(f"{op}: b must hold float8_e4m3fn codes, got {b.dtype}")
+
+
 def fp8_weight(a, b, b_scale, block) -> None:
     """a [m, k], b [n, k] e4m3 codes, b_scale [ceil(n / block[0]), ceil(k / block[1])], block two positive
     ints; or each with a leading group dim g (a [g, m, k], b [g, n, k], b_scale [g, ...])."""

@@ -96,3 +96,31 @@ def test_fp4_tilings_parse_and_plot(tmp_path, monkeypatch):
     ab_fp4_tilings.main()
     pytest.importorskip("matplotlib")
     assert (tmp_path / "run.png").stat().st_size > 0
+
+
+def test_fp8_quant_gemm_sweep_and_run(tmp_path, monkeypatch):
+    """ab_fp8_quant_gemm: the sweep's tiles (16- and 64-row, splits that keep two K blocks, never the default)
+    and a run on the CPU, where every variant takes the references: each checked and timed, the JSON and,
+    where matplotlib is installed, the PNG written."""
+    import ab_fp8_quant_gemm as ab
+
+    from djax.kernels.fp8_quant_triton import quant_config
+
+    tiles = ab.sweep(1, 512, 4096)
+    default = quant_config(1, 512, 4096)
+    assert tiles and all(c != default for _, c in tiles)
+    assert {c.block_m for _, c in tiles} == {16, 64}
+    assert all(4096 // 128 % c.split_k == 0 and 4096 // 128 // c.split_k >= 2 for _, c in tiles)
+    argv = "--shapes 256x256 --rows 2 --sweep-rows 2 --rounds 1 --weight-mb 1 --out".split() + [str(tmp_path)]
+    monkeypatch.setattr(sys, "argv", ["ab_fp8_quant_gemm.py", *argv])
+    ab.main()
+    res = json.loads((tmp_path / "fp8_quant_gemm_ab.json").read_text())
+    (row,) = res["rows"]
+    assert (row["m"], row["n"], row["k"]) == (2, 256, 256)
+    names = set(row["rel_err"])
+    assert {"two-step", "quant default", "quant default ue8m0", "bf16 weight"} <= names
+    assert len(names) == 5 + len(ab.sweep(2, 256, 256))
+    assert all(row["rel_err"][n] == 0.0 for n in names if n != "bf16 weight")  # the same jnp reference
+    assert set(row["rounds"][0]) == names and all(t > 0 for t in row["rounds"][0].values())
+    pytest.importorskip("matplotlib")
+    assert (tmp_path / "fp8_quant_gemm_ab.png").stat().st_size > 0

@@ -161,11 +161,13 @@ def test_decode_kernels_auto_within_bf16_error(name, heads, monkeypatch):
     assert err_fast <= 2 * err_slow + 1e-3, (err_fast, err_slow)
 
 
-def test_decode_fp8_model_auto_within_bf16_error(monkeypatch):
+@pytest.mark.parametrize("scale_fmt", [None, "ue8m0"])
+def test_decode_fp8_model_auto_within_bf16_error(monkeypatch, scale_fmt):
     """An FP8 model (projections and routed experts as e4m3 with 128x128 scales, `quantize_projections`)
     prefilling and decoding with kernels="auto" (activations quantized 1x128, then the CUDA kernels of
     fp8_gemm, of the FP8 gate/up kernel and of the FP8 grouped GEMM) against kernels="ref" (the same
-    quantization, their jnp references), both bf16, judged against a float32 run of "ref"."""
+    quantization, their jnp references), both bf16, judged against a float32 run of "ref". With UE8M0
+    scales (V4's) the decode steps' projections (4 rows) quantize inside the GEMM: `fp8_quant_gemm`."""
     from djax.kernels import fp8_gemm as kfp8
 
     jax.clear_caches()
@@ -180,13 +182,15 @@ def test_decode_fp8_model_auto_within_bf16_error(monkeypatch):
         head_dim=64,
     )
     bf = cfg.replace(dtype="bfloat16")
-    pbf = djax.quantize_projections(djax.init_params(bf, jax.random.key(0)), bf)
+    pbf = djax.quantize_projections(djax.init_params(bf, jax.random.key(0)), bf, scale_fmt=scale_fmt)
     p32 = jax.tree.map(lambda w: w.astype(jnp.float32) if w.dtype == jnp.bfloat16 else w, pbf)
     tokens = jax.random.randint(jax.random.key(1), (4, 96), 0, cfg.vocab_size)
     lens = jnp.array([64, 40, 17, 5], jnp.int32)
 
     impls = []
-    ops = {"fp8_gemm", "grouped_contiguous", "grouped_swiglu_contiguous"}
+    ops = {"fp8_gemm", "grouped_contiguous", "grouped_swiglu_contiguous"} | (
+        {"fp8_quant_gemm"} if scale_fmt else set()
+    )
     for op in ops:
         fn = getattr(kfp8, op)
         monkeypatch.setattr(
@@ -206,6 +210,7 @@ def test_decode_fp8_model_auto_within_bf16_error(monkeypatch):
     assert took("auto") == ops and not took("ref"), impls
     assert "fp8_gemm_kernel" in launched, launched  # Triton's FP8 GEMM: projections and the experts' down
     assert "fp8_swiglu_kernel" in launched, launched  # the experts' gate, up and SwiGLU
+    assert ("fp8_quant_gemm_kernel" in launched) == bool(scale_fmt), launched
     err_slow, err_fast = _typical_rel(slow, truth), _typical_rel(fast, truth)
     assert err_fast <= 2 * err_slow + 1e-3, (err_fast, err_slow)
 

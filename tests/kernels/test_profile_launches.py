@@ -59,9 +59,10 @@ def test_plot_draws_every_workload_from_a_result(tmp_path):
 
 
 def test_main_runs_every_workload_on_the_tiny_model(tmp_path, monkeypatch):
-    """End to end on the CPU: the chain and the tiny model, bf16 and FP8, the step with its logits kept too,
-    under two option sets (XLA's GPU options parse on the CPU and change nothing there)."""
+    """End to end on the CPU: the chain and the tiny model, bf16 and FP8 (V4's UE8M0 scales), the step with its
+    logits kept too, under two option sets (XLA's GPU options parse on the CPU and change nothing there)."""
     args = "--tiny --batch 2 --steps 2 --reps 1 --trace-steps 1 --chain 2 --chain-dim 128 --fp8 --keep-logits"
+    args += " --scale-fmt ue8m0"
     argv = [
         "profile_launches.py",
         *args.split(),
@@ -73,6 +74,7 @@ def test_main_runs_every_workload_on_the_tiny_model(tmp_path, monkeypatch):
     monkeypatch.setattr(sys, "argv", argv)
     pl.main()
     res = json.loads((tmp_path / "launches.json").read_text())
+    assert res["fp8_scale_fmt"] == "ue8m0"
     labels = [k for sec in ("chain", "bf16", "fp8") for k in res[sec]]
     want = [
         f"chain_{k}_{v}"

@@ -15,6 +15,7 @@ from djax.config import preset
 from djax.kernels import fp8_gemm as kfp8
 from djax.models import deepseek_v4 as v4
 from djax.models.layers import (
+    FP8_QUANT_GEMM_MAX_ROWS,
     FP8_WEIGHT_MAX_ROWS,
     grouped_linear,
     linear,
@@ -63,6 +64,34 @@ def test_linear_fp8_ref_matches_numpy(scale_fmt):
     )
     other_out = np.asarray(linear(x, other, fp8="ref"), np.float64).reshape(6, 384)
     assert np.abs(other_out - got).max() > 1e-3 * np.abs(want).max()
+
+
+@pytest.mark.parametrize("scale_fmt", [None, "ue8m0"])
+def test_linear_quantizes_inside_the_gemm_for_few_rows_with_ue8m0_scales(scale_fmt, monkeypatch):
+    """UE8M0 weights at up to FP8_QUANT_GEMM_MAX_ROWS rows: one `fp8_quant_gemm` call (the activations
+    quantized in the kernel), no separate `fp8_gemm`; more rows, and plain scales at any rows, take
+    `quantize_act` then `fp8_gemm`. The numbers are the brute force's either way."""
+    calls = []
+    for name in ("fp8_quant_gemm", "fp8_gemm"):
+        real = getattr(kfp8, name)
+        spy = lambda *a, name=name, real=real, **kw: calls.append((name, a[0].shape[0])) or real(*a, **kw)  # noqa: E731
+        monkeypatch.setattr(kfp8, name, spy)
+    uneven = jnp.linspace(0.2, 3.0, 256)[:, None] * jnp.linspace(3.0, 0.5, 256)[None, :]
+    w = quantize(
+        jax.random.normal(jax.random.key(4), (256, 256), jnp.float32) * 0.05 * uneven, scale_fmt=scale_fmt
+    )
+    fused = "fp8_quant_gemm" if scale_fmt else "fp8_gemm"
+    for rows, path in (
+        (1, fused),
+        (FP8_QUANT_GEMM_MAX_ROWS, fused),
+        (FP8_QUANT_GEMM_MAX_ROWS + 1, "fp8_gemm"),
+    ):
+        x = jax.random.normal(jax.random.key(rows), (rows, 256), jnp.float32) * jnp.linspace(0.1, 4.0, 256)
+        calls.clear()
+        got = np.asarray(linear(x, w, fp8="ref"), np.float64)
+        assert calls == [(path, rows)], (rows, calls)
+        want = _numpy_fp8_linear(x, w)
+        assert np.abs(got - want).max() <= 1e-5 * np.abs(want).max()
 
 
 @pytest.mark.parametrize(
@@ -234,6 +263,7 @@ _WEIGHT_AT = {
     "grouped_contiguous": 2,
     "grouped_swiglu_contiguous": 3,
     "fp8_weight_gemm": 1,
+    "fp8_quant_gemm": 1,
 }  # op -> weight's position
 
 
@@ -298,8 +328,12 @@ def test_decode_runs_fp8_weights_through_fp8_kernels(monkeypatch, scale_fmt):
     """kernels="ref": every 128-multiple projection of a decode step goes through fp8_gemm (once per trace) and
     every layer's routed experts through the FP8 gate/up kernel and one FP8 grouped GEMM; the logits stay
     near the dense path's, which does not round activations. "ue8m0": V4's power-of-two weight scales, and
-    so power-of-two activation scales, through the same ops."""
+    so power-of-two activation scales, the projections through fp8_quant_gemm (a decode step's few rows
+    quantized inside the GEMM)."""
     cfg, params, expected = _v4_fp8_model(scale_fmt)
+    expected["fp8_quant_gemm"] = []
+    if scale_fmt == "ue8m0":
+        expected["fp8_quant_gemm"], expected["fp8_gemm"] = expected["fp8_gemm"], []
     calls = _record_fp8_kernels(monkeypatch)
 
     b, n = 2, 24

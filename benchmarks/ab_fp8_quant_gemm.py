@@ -1,0 +1,164 @@
+"""An FP8 projection at decode, the activations quantized inside the GEMM against before it, in alternating rounds.
+
+python benchmarks/ab_fp8_quant_gemm.py [--shapes 2048x4096,...] [--rows 1,32] [--sweep-rows 1] [--rounds 2]
+  [--out DIR]   (CUDA GPU; `--plot JSON` only draws an earlier run's PNG beside it)
+
+Per projection shape (n x k, V4-Flash's FP8 projections by default) and row count m, bf16 activations x [m, k]
+and a 128 x 128-block FP8 weight:
+  - "two-step": `quantize_act` then `fp8_gemm` ("auto": what the model's `linear` ran before `fp8_quant_gemm`;
+    TileLang's kernel where that picks it);
+  - "quant default": `fp8_quant_gemm` at its default tiles (`fp8_quant_triton.quant_config`);
+  - each also with UE8M0 (power-of-two) activation scales, "... ue8m0";
+  - at the --sweep-rows counts, `fp8_quant_gemm` (UE8M0) at other tiles: "quant m{BLOCK_M} n{BLOCK_N} s{split}";
+  - "bf16 weight": x @ w^T on the bf16 weight (XLA), twice the bytes.
+Each is checked against the two-step jnp reference first (a wrong one is recorded and not timed); then every
+round times each once (device time from a profiler trace), each round starting with the next variant. Input sets
+rotate over at least --weight-mb (150) MB of weights, so that the 50 MB L2 does not hold them. Writes fp8_quant_gemm_ab.json
+(rewritten after every shape) and its PNG under --out: per shape, the weight bytes' rate as a fraction of the
+run's measured copy bandwidth.
+"""
+
+import argparse
+import os
+import sys
+import time
+from dataclasses import replace
+
+sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+import jax  # noqa: E402
+import jax.numpy as jnp  # noqa: E402
+import numpy as np  # noqa: E402
+from ab_plot import one_round, save, side_by_side_args  # noqa: E402
+
+from djax.kernels import fp8_quant_triton as qk  # noqa: E402
+from djax.kernels.fp8_gemm import fp8_gemm, fp8_quant_gemm  # noqa: E402
+from djax.kernels.fp8_gemm_ref import quantize_act  # noqa: E402
+from djax.kernels.fp8_gemm_triton import fewest_splits  # noqa: E402
+from djax.quant import quantize  # noqa: E402
+
+# V4-Flash's FP8 projections (out x in): shared expert up and down, q LoRA up, output LoRA down, q LoRA down,
+# the KV projection
+SHAPES = "2048x4096,4096x2048,32768x1024,4096x8192,1024x4096,512x4096"
+RTOL = 2.0**-7  # bf16 results of float32 sums in a different order: a few bf16 ulps
+
+
+def two_step(x, v, s, ue8m0=False):
+    return fp8_gemm(*quantize_act(x, ue8m0), v, s, x.dtype)
+
+
+def sweep(m, n, k):
+    """(name, Fp8Config) pairs of the kernel's tiles to try at one shape: 16-row (mma.sync) and 64-row (wgmma)
+    tiles, BLOCK_N 32, 64, 128, each with the K split of `fewest_splits` and twice that (where every split
+    keeps two K blocks or more), at 6 stages."""
+    base = qk.quant_config(m, n, k)
+    out = []
+    for bm in (16, 64):
+        for bn in (32, 64, 128):
+            tiles = -(-m // bm) * (n // bn)
+            s = fewest_splits(tiles, k // 128)
+            for split in (s, 2 * s):
+                if (k // 128) % split == 0 and k // 128 // split >= 2:
+                    out.append(replace(base, block_m=bm, block_n=bn, split_k=split))
+    return [(f"quant m{c.block_m} n{c.block_n} s{c.split_k}", c) for c in dict.fromkeys(out) if c != base]
+
+
+def plot(result: dict, path: str) -> None:
+    """Per shape, each variant's rounds as a fraction of the run's copy bandwidth over the FP8 weight's bytes
+    (red: 70%)."""
+    from ab_plot import plot_rounds
+
+    bw = result["copy_bw"]
+    panels = [
+        (
+            f"m{row['m']} n{row['n']} k{row['k']}: FP8 weight bytes / time, fraction of copy (red: 70%)",
+            lambda us, nbytes=row["n"] * row["k"]: nbytes / (us * 1e-6) / bw,
+            row["rounds"],
+        )
+        for row in result["rows"]
+    ]
+    suptitle = (
+        f"FP8 projection, quantized in the GEMM or before it, {result['device']}, {result['date'][:10]}"
+    )
+    plot_rounds(panels, "two-step", 0.7, suptitle, path)
+
+
+def make_sets(m, n, k, weight_bytes):
+    sets = []
+    for i in range(max(3, -(-weight_bytes // (n * k)))):
+        kx, kw = jax.random.split(jax.random.key(1000 * m + i))
+        w = quantize(jax.random.normal(kw, (n, k), jnp.float32) * 0.05)
+        x = jax.random.normal(kx, (m, k), jnp.float32).astype(jnp.bfloat16)
+        sets.append(jax.block_until_ready((x, w.values, w.scale, w.dense(jnp.bfloat16))))
+    return sets
+
+
+def main():
+    p = argparse.ArgumentParser()
+    p.add_argument("--shapes", default=SHAPES)
+    p.add_argument("--rows", default="1,32")
+    p.add_argument("--sweep-rows", default="1", help="row counts at which other tiles are tried too")
+    p.add_argument("--weight-mb", type=int, default=150, help="weight bytes the input sets rotate over")
+    args = side_by_side_args(p, 2, plot)
+    if args is None:
+        return
+    from bench_kernels import measure_ceilings
+    from bench_tilelang import rel_err
+
+    shapes = [tuple(int(d) for d in s.split("x")) for s in args.shapes.split(",")]
+    sweep_rows = {int(r) for r in args.sweep_rows.split(",") if r}
+    os.makedirs(args.out, exist_ok=True)
+    copy_bw, _ = measure_ceilings()
+    from djax.kernels import dispatch
+
+    res = dict(device=jax.devices()[0].device_kind, date=time.strftime("%Y-%m-%d %H:%M:%S"), copy_bw=copy_bw)
+    res["tilelang"] = dispatch.has_tilelang()
+    res["rows"] = []
+    print("copy", copy_bw / 1e12, "TB/s", flush=True)
+    for m in [int(r) for r in args.rows.split(",")]:
+        for n, k in shapes:
+            sets = make_sets(m, n, k, args.weight_mb * 1_000_000)
+            fns = {  # name -> (fn(x, v, s, wd), ue8m0)
+                "two-step": (lambda x, v, s, wd: two_step(x, v, s), False),
+                "two-step ue8m0": (lambda x, v, s, wd: two_step(x, v, s, True), True),
+                "quant default": (lambda x, v, s, wd: fp8_quant_gemm(x, v, s), False),
+                "quant default ue8m0": (lambda x, v, s, wd: fp8_quant_gemm(x, v, s, True), True),
+                "bf16 weight": (lambda x, v, s, wd: x @ wd.T, False),
+            }
+            if m in sweep_rows:
+                for name, cfg in sweep(m, n, k):
+                    fns[name + " ue8m0"] = (
+                        lambda x, v, s, wd, c=cfg: fp8_quant_gemm(x, v, s, True, cfg=c),
+                        True,
+                    )
+            x, v, s, wd = sets[0]
+            refs = {
+                u: np.asarray(fp8_quant_gemm(x, v, s, u, impl="ref").astype(jnp.float32))
+                for u in (False, True)
+            }
+            row = dict(
+                m=m, n=n, k=k, sets=len(sets), default=str(qk.quant_config(m, n, k)), rel_err={}, rounds=[]
+            )
+            for name, (fn, ue8m0) in fns.items():
+                try:
+                    out = jax.block_until_ready(jax.jit(fn)(*sets[0]))
+                    row["rel_err"][name] = err = rel_err(np.asarray(out.astype(jnp.float32)), refs[ue8m0])
+                except Exception as e:  # noqa: BLE001 - a config that does not build is recorded, not timed
+                    row["rel_err"][name] = err = float("inf")
+                    print(m, n, k, name, "failed:", repr(e)[:300], flush=True)
+                print(m, n, k, name, "rel_err", err, flush=True)
+            # the bf16 weight is another product (the weight not rounded to e4m3): timed, not held to RTOL
+            timed = {
+                name: (fn, sets)
+                for name, (fn, _) in fns.items()
+                if row["rel_err"][name] <= RTOL or name == "bf16 weight"
+            }
+            for r in range(args.rounds):
+                row["rounds"].append(times := one_round(timed, r))
+                frac = {name: round(n * k / (us * 1e-6) / copy_bw, 3) for name, us in times.items()}
+                print(m, n, k, "round", r, times, "of copy", frac, flush=True)
+            res["rows"].append(row)
+            save(res, args.out, "fp8_quant_gemm_ab", plot)
+
+
+if __name__ == "__main__":
+    main()

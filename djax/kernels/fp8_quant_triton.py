@@ -1,0 +1,189 @@
+"""Triton block-scaled FP8 GEMM that quantizes its activations itself: c = fp8_gemm(quantize_act(a), b), for the
+few rows of a decode step.
+
+Why. An FP8 projection at decode ran as four kernels: the activations' 1 x 128 maxima, their quantization, the
+GEMM, and the sum of its K splits. At one row on the H200 (`kernels_h200_fp8_linear.json`) the three small
+ones took 3.4 us next to a 3.8 us GEMM at 2048 x 4096, so the projection lost to the same product on a bf16
+weight that reads twice the bytes. Here each program loads its [BLOCK_M, 128] tile of a (bf16) per K block,
+takes each row's absolute maximum and scale exactly as `fp8_gemm_ref.quantize_act` does (amax / 448, or
+DeepSeek's UE8M0 power of two), rounds a / scale to e4m3 and runs the same fp8 dot and promotion as
+`fp8_gemm_triton`. Every program of a row tile quantizes the same a again: at decode a is a few rows of K
+values, a small fraction of the weight bytes each program reads.
+
+b: the weight, e4m3 [N, K]; bs: float32 [N / 128, K / 128]; N and K multiples of 128, BLOCK_N dividing 128 (one
+weight scale per program and K block). a [M, K] bf16. In Triton's CPU interpreter a, b and the result are float32
+stand-ins (the same values). Rounding: "cast" (Triton's fp8 conversion, what a GPU runs) or "bits" (a / scale
+rounded to e4m3 in float32 arithmetic, as the interpreter runs it: it does not round to e4m3 as a GPU does;
+the first's slow twin).
+
+Scales: with UE8M0 (powers of two) a / scale is a multiplication by the scale's exact inverse; with plain
+scales an IEEE division, which costs: on an H100 that form ran 1.8-3.3x slower than quantizing before the
+GEMM at one row (djax/kernels/NOTES.md), so the model takes this kernel for UE8M0 weights only.
+
+Split-K as in `fp8_gemm_triton`: program (tile, s) sums the s-th run of K blocks into the float32 partial
+c[s]; the caller sums c over its first axis.
+"""
+
+from __future__ import annotations
+
+from dataclasses import replace
+
+import triton
+import triton.language as tl
+
+from djax.kernels.fp8_gemm_triton import Fp8Config, program_tile, split_k
+
+ROUNDINGS = ("cast", "bits")
+# 16-row tiles (mma.sync) of 128 weight rows, six stages; K split until about two programs a SM. H100, 2026-12-06
+# (`fp8_quant_gemm_h100_ab.json`, one row, UE8M0 scales, device time, V4-Flash's six projection shapes): 128
+# weight rows a program were the fastest of 32, 64 and 128 or within 4% of it (14.8 against 17.4 us for 64 at
+# 32768 x 1024); the best 64-row (wgmma) tiles were 1.14-1.49x slower than the best 16-row ones (they quantize
+# 64 rows); splits up to 16 paid where the output has few tiles (5.3 against 6.2 us at 1024 x 4096).
+QUANT_CFG = Fp8Config(block_m=16, block_n=128, block_k=128, num_warps=4, num_stages=6)
+SPLITS = (1, 2, 4, 8, 16)
+
+
+def quant_config(m: int, n: int, k: int) -> Fp8Config:
+    """The kernel's tiles when none are given: QUANT_CFG with its block_m raised to cover m (16, 32, 64, 128),
+    K split the fewest ways of SPLITS that make 256 programs (each split two K blocks or more), else the most."""
+    block_m = next((b for b in (16, 32, 64) if m <= b), 128)
+    tiles = -(-m // block_m) * -(-n // QUANT_CFG.block_n)
+    kb = k // 128
+    splits = [s for s in SPLITS if kb % s == 0 and kb // s >= 2] or [1]
+    split = next((s for s in splits if tiles * s >= 256), splits[-1])
+    return replace(QUANT_CFG, block_m=block_m, split_k=split)
+
+
+@triton.jit
+def _round_e4m3(v):
+    """float32 v (|v| <= 448) rounded to the nearest e4m3fn value, ties to even, in float32 arithmetic: the
+    interpreter's twin of the fp8 conversion. e4m3 values near v are 2^(e - 3) apart for v's binary exponent
+    e, and 2^-9 apart among the subnormals (e floored at -6)."""
+    e = tl.maximum(((v.to(tl.int32, bitcast=True) >> 23) & 255) - 127, -6)
+    step = ((e + 124) << 23).to(tl.float32, bitcast=True)  # 2^(e - 3)
+    y = v / step  # exact: a power of two
+    return ((y + 12582912.0) - 12582912.0) * step  # 1.5 * 2^23: |y| < 16 rounds to an integer, ties to even
+
+
+@triton.jit
+def _pow2_ceil(s):
+    """2^ceil(log2(s)) for positive normal float32 s, from its bits as `djax.quant.pow2_ceil`."""
+    bits = s.to(tl.int32, bitcast=True)
+    exponent = (bits >> 23) + ((bits & 0x7FFFFF) != 0).to(tl.int32)
+    return (exponent << 23).to(tl.float32, bitcast=True)
+
+
+@triton.jit
+def _pow2_inverse(s):
+    """1 / s for a power of two s (2^-21 .. 2^127), exactly, from its bits."""
+    return ((254 << 23) - s.to(tl.int32, bitcast=True)).to(tl.float32, bitcast=True)
+
+
+@triton.jit
+def fp8_quant_gemm_kernel(
+    a_ptr,  # [M, K] activations (bf16; float32 in the interpreter)
+    b_ptr,  # [N, K] e4m3 weights (float32 stand-ins, the same values, in the interpreter)
+    bs_ptr,  # f32 [N / 128, K / 128]
+    c_ptr,  # [M, N] in a's dtype; SPLIT_K > 1: f32 [SPLIT_K, M, N]
+    M: tl.constexpr,
+    N: tl.constexpr,
+    K: tl.constexpr,
+    UE8M0: tl.constexpr,  # power-of-two activation scales (`quantize_act(ue8m0=True)`)
+    BITS: tl.constexpr,  # round to e4m3 in float32 arithmetic (interpreter) instead of Triton's conversion
+    BLOCK_M: tl.constexpr,
+    BLOCK_N: tl.constexpr,
+    SPLIT_K: tl.constexpr,
+):
+    BK: tl.constexpr = 128
+    KB: tl.constexpr = K // BK
+    # split s takes K blocks [s * PER, (s + 1) * PER): a constant trip count keeps the loop pipelined; the
+    # last split's blocks past K load nothing (it may have none)
+    PER: tl.constexpr = (KB + SPLIT_K - 1) // SPLIT_K
+    pid_m, pid_n = program_tile(N, BLOCK_N)
+    pid_k = tl.program_id(1)
+    kb0 = pid_k * PER
+    c_ptr += pid_k.to(tl.int64) * M * N
+    rm = pid_m * BLOCK_M + tl.arange(0, BLOCK_M)
+    rn = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
+    rk = tl.arange(0, BK)
+    m_ok = rm < M
+    a_ptrs = a_ptr + rm[:, None].to(tl.int64) * K + kb0 * BK + rk[None, :]
+    b_ptrs = b_ptr + rn[:, None].to(tl.int64) * K + kb0 * BK + rk[None, :]
+    bs_ptrs = bs_ptr + ((pid_n * BLOCK_N) // BK) * KB
+    acc = tl.zeros([BLOCK_M, BLOCK_N], tl.float32)
+    # the weight scale is read one K block ahead (as in fp8_gemm_triton: Triton pipelines only the loads that
+    # feed the dot); past the last block the tiles load as zeros and any finite scale will do
+    sb = tl.load(bs_ptrs + tl.minimum(kb0, KB - 1))
+    for i in range(0, PER):
+        k_ok = (kb0 + i) * BK + rk < K  # false for the whole block past K
+        a = tl.load(a_ptrs, mask=m_ok[:, None] & k_ok[None, :], other=0.0).to(tl.float32)
+        b = tl.load(b_ptrs, mask=k_ok[None, :], other=0.0)
+        sb_next = tl.load(bs_ptrs + tl.minimum(kb0 + i + 1, KB - 1))
+        # quantize_act: one scale per row and 128 columns; rows past M are zeros and come out zero
+        amax = tl.max(tl.abs(a), axis=1)
+        if UE8M0:  # a power of two: dividing is multiplying by its exact inverse
+            sa = _pow2_ceil(tl.maximum(amax, 1e-4) * (1.0 / 448.0))
+            q = a * _pow2_inverse(sa)[:, None]
+        else:
+            sa = tl.maximum(amax, 1e-12) * (1.0 / 448.0)
+            q = tl.math.div_rn(a, sa[:, None])
+        if BITS:
+            part = tl.dot(_round_e4m3(q), tl.trans(b), input_precision="ieee")
+        else:
+            part = tl.dot(q.to(tl.float8e4nv), tl.trans(b))
+        acc += part * (sa * sb)[:, None]
+        sb = sb_next
+        a_ptrs += BK
+        b_ptrs += BK
+    tl.store(
+        c_ptr + rm[:, None].to(tl.int64) * N + rn[None, :],
+        acc.to(c_ptr.dtype.element_ty),
+        mask=m_ok[:, None],
+    )
+
+
+def constexprs(m: int, n: int, k: int, ue8m0: bool, rounding: str, cfg: Fp8Config) -> dict:
+    """Compile-time constants of one shape; checks the shape and the config against the kernel's contract."""
+    if rounding not in ROUNDINGS:
+        raise ValueError(f"rounding must be one of {ROUNDINGS}, got {rounding!r}")
+    if n % 128 or k % 128:
+        raise ValueError(f"fp8_quant_gemm: n {n} and k {k} must be multiples of 128")
+    if 128 % cfg.block_n or cfg.block_k != 128:
+        raise ValueError(f"BLOCK_N {cfg.block_n} must divide 128 and BLOCK_K {cfg.block_k} must be 128")
+    if split_k(cfg) < 1:
+        raise ValueError(f"split_k {split_k(cfg)} must be >= 1")
+    return dict(
+        M=m,
+        N=n,
+        K=k,
+        UE8M0=bool(ue8m0),
+        BITS=rounding == "bits",
+        BLOCK_M=cfg.block_m,
+        BLOCK_N=cfg.block_n,
+        SPLIT_K=split_k(cfg),
+    )
+
+
+def grid(m: int, n: int, cfg: Fp8Config) -> tuple[int, int]:
+    """(output tiles, K splits)."""
+    return triton.cdiv(m, cfg.block_m) * triton.cdiv(n, cfg.block_n), split_k(cfg)
+
+
+def launch_torch(a, b, scale, ue8m0: bool, cfg: Fp8Config, rounding: str = "bits"):
+    """Runs the kernel on torch tensors (GPU, or CPU under TRITON_INTERPRET=1 with float32 stand-ins): a [m, K],
+    b [N, K], scale float32 [N / 128, K / 128]. Returns [m, N] in a's dtype, or with split_k(cfg) > 1 the f32
+    partials [split_k, m, N] to be summed over the first axis."""
+    import torch
+
+    m, k = a.shape
+    n = b.shape[0]
+    cx = constexprs(m, n, k, ue8m0, rounding, cfg)
+    shape, dtype = (m, n), a.dtype
+    if split_k(cfg) > 1:
+        shape, dtype = (split_k(cfg), m, n), torch.float32
+    c = torch.full(shape, float("nan"), dtype=dtype, device=a.device)
+    opts = dict(num_warps=cfg.num_warps, num_stages=cfg.num_stages)
+    fp8_quant_gemm_kernel[grid(m, n, cfg)](
+        a.contiguous(), b.contiguous(), scale.contiguous(), c, **cx, **opts
+    )
+    return c

@@ -1,0 +1,217 @@
+"""`fp8_quant_gemm`: the block-scaled FP8 GEMM that quantizes its activations 1 x 128 itself. The reference
+against a numpy brute force; the Triton kernel (interpreted, float32 stand-ins) against the reference on fresh
+random inputs with partial row tiles and K splits; its quantization exactly equal to `quantize_act`'s; its
+e4m3 rounding against ml_dtypes; the refusals; the kernel compiled for sm_90 at V4-Flash's shapes; on a GPU,
+the kernel against the reference."""
+
+from dataclasses import replace
+
+import jax
+import jax.numpy as jnp
+import ml_dtypes
+import numpy as np
+import pytest
+import triton
+import triton.language as tl
+from checks import assert_close, needs_triton_interp
+
+from djax.kernels.fp8_gemm import fp8_quant_gemm
+from djax.kernels.fp8_gemm_ref import quantize_act
+from djax.kernels.fp8_quant_triton import QUANT_CFG, Fp8Config, _round_e4m3, quant_config
+from djax.quant import pow2_ceil, quantize
+
+SMALL = Fp8Config(block_m=16, block_n=32, block_k=128, num_warps=4, num_stages=1)
+
+
+def _weight(rng, n, k):
+    """An FP8 QArray [n, k] with 128 x 128 scales, magnitudes uneven along both axes (every block its own scale)."""
+    uneven = np.linspace(0.2, 3.0, n)[:, None] * np.linspace(3.0, 0.1, k)[None, :]
+    return quantize(jnp.asarray(rng.standard_normal((n, k)) * uneven, jnp.float32))
+
+
+def _acts(rng, m, k, dtype=jnp.float32):
+    """Activations whose 128-column blocks differ in magnitude by four orders, one row all zeros."""
+    a = rng.standard_normal((m, k)) * np.geomspace(1e-2, 1e2, k)[None, :]
+    a[-1] = 0.0
+    return jnp.asarray(a, dtype)
+
+
+def _numpy(a, w, ue8m0):
+    """Brute force in float64: a's blocks quantized by numpy and ml_dtypes (scale amax times float32(1 / 448),
+    or its UE8M0 power of two), times the dequantized weight."""
+    a = np.asarray(a, np.float32)
+    m, k = a.shape
+    g = a.reshape(m, k // 128, 128)
+    amax = np.abs(g).max(-1, keepdims=True)
+    if ue8m0:
+        s = pow2_ceil(np.maximum(amax, np.float32(1e-4)) * np.float32(1 / 448))
+    else:
+        s = np.maximum(amax, np.float32(1e-12)) * np.float32(1 / 448)
+    q = (g / s).astype(ml_dtypes.float8_e4m3fn).astype(np.float64) * s
+    codes = np.asarray(w.values).astype(np.float64)
+    wd = codes * np.repeat(np.repeat(np.asarray(w.scale, np.float64), 128, 0), 128, 1)
+    return q.reshape(m, k) @ wd.T
+
+
+@pytest.mark.parametrize("ue8m0", [False, True])
+def test_reference_matches_numpy(ue8m0):
+    rng = np.random.default_rng(1 + ue8m0)
+    a, w = _acts(rng, 5, 384), _weight(rng, 256, 384)
+    got = np.asarray(fp8_quant_gemm(a, w.values, w.scale, ue8m0, impl="ref"), np.float64)
+    want = _numpy(a, w, ue8m0)
+    assert np.abs(got - want).max() <= 1e-5 * np.abs(want).max()
+
+
+@needs_triton_interp
+@pytest.mark.parametrize(
+    "m, n, k, cfg",
+    [
+        (5, 256, 384, SMALL),  # a partial row tile
+        (20, 128, 256, Fp8Config(16, 64, 128, 4, 1)),  # two row tiles
+        (3, 128, 640, Fp8Config(16, 128, 128, 4, 1, split_k=3)),  # K split, the last split short
+        (2, 128, 384, Fp8Config(16, 32, 128, 4, 1, split_k=4)),  # four splits of three K blocks: one empty
+    ],
+)
+@pytest.mark.parametrize("ue8m0", [False, True])
+def test_triton_kernel_matches_reference(m, n, k, cfg, ue8m0):
+    """Rounding "bits" only: Triton's interpreter does not round float32 to e4m3 as a GPU does (its "cast"
+    form is off by up to 9% here), so the "cast" form is checked on the GPU (below)."""
+    rng = np.random.default_rng(m + n + k)
+    a, w = _acts(rng, m, k), _weight(rng, n, k)
+    want = fp8_quant_gemm(a, w.values, w.scale, ue8m0, impl="ref")
+    got = fp8_quant_gemm(a, w.values, w.scale, ue8m0, impl="interpret", cfg=cfg)
+    assert got.shape == (m, n) and got.dtype == jnp.float32
+    assert not np.asarray(got)[-1].any()  # the zero row stays zero
+    assert_close(got, want, 1e-6)
+
+
+def _identity_weight(k):
+    """The identity as an FP8 weight with unit scales: the product returns the activations as quantized."""
+    eye = jnp.eye(k, dtype=jnp.float32).astype(jnp.float8_e4m3fn)
+    return eye, jnp.ones((k // 128, k // 128), jnp.float32)
+
+
+def _quantized(a, ue8m0):
+    q, s = quantize_act(a, ue8m0)
+    return np.asarray(q.astype(jnp.float32)) * np.repeat(np.asarray(s), 128, 1)
+
+
+@needs_triton_interp
+@pytest.mark.parametrize("ue8m0", [False, True])
+def test_kernel_quantizes_exactly_as_quantize_act(ue8m0):
+    """Against the identity each output is one product, q times its scale: exactly quantize_act's values."""
+    rng = np.random.default_rng(7)
+    a = _acts(rng, 4, 256)
+    eye, ones = _identity_weight(256)
+    got = np.asarray(fp8_quant_gemm(a, eye, ones, ue8m0, impl="interpret", cfg=SMALL))
+    np.testing.assert_array_equal(got, _quantized(a, ue8m0))
+
+
+@triton.jit
+def round_kernel(x_ptr, y_ptr, N: tl.constexpr):
+    r = tl.arange(0, N)
+    tl.store(y_ptr + r, _round_e4m3(tl.load(x_ptr + r)))
+
+
+@needs_triton_interp
+def test_e4m3_rounding_matches_ml_dtypes():
+    """`_round_e4m3` on values spread over e4m3's range, its subnormals and the exact midpoints between
+    neighbouring codes (ties go to the even code)."""
+    import torch
+
+    values = np.array([c for c in range(256) if c & 0x7F < 0x7F], np.uint8).view(ml_dtypes.float8_e4m3fn)
+    grid = np.sort(values.astype(np.float32))
+    mids = (grid[:-1] + grid[1:]) / 2
+    rng = np.random.default_rng(3)
+    rand = rng.uniform(-448, 448, 4096).astype(np.float32) * np.exp2(rng.integers(-12, 0, 4096)).astype(
+        np.float32
+    )
+    x = np.concatenate([grid, mids, rand]).astype(np.float32)
+    x = np.pad(x, (0, 8192 - x.size))
+    y = torch.empty(8192, dtype=torch.float32)
+    round_kernel[(1,)](torch.from_numpy(x), y, N=8192)
+    np.testing.assert_array_equal(y.numpy(), x.astype(ml_dtypes.float8_e4m3fn).astype(np.float32))
+
+
+def test_refusals_name_the_problem():
+    rng = np.random.default_rng(0)
+    a, w = _acts(rng, 4, 256), _weight(rng, 128, 256)
+    with pytest.raises(ValueError, match=r"fp8_quant_gemm: b has shape \[128, 256\], expected \[\*, 200\]"):
+        fp8_quant_gemm(a[:, :200], w.values, w.scale, impl="ref")
+    with pytest.raises(ValueError, match="n 100 and k 256 must be multiples of 128"):
+        fp8_quant_gemm(a, w.values[:100], w.scale, impl="ref")
+    with pytest.raises(ValueError, match=r"b_scale has shape \[1, 1\], expected \[1, 2\]"):
+        fp8_quant_gemm(a, w.values, w.scale[:, :1], impl="ref")
+    with pytest.raises(ValueError, match="b must hold float8_e4m3fn codes, got bfloat16"):
+        fp8_quant_gemm(a, w.values.astype(jnp.bfloat16), w.scale, impl="ref")
+    with pytest.raises(ValueError, match="rounding must be one of"):
+        fp8_quant_gemm(a, w.values, w.scale, impl="interpret", rounding="ptx")
+    with pytest.raises(ValueError, match="BLOCK_N 96 must divide 128"):
+        fp8_quant_gemm(a, w.values, w.scale, impl="interpret", cfg=replace(SMALL, block_n=96))
+    with pytest.raises(ValueError, match="impl must be 'auto' or one of"):
+        fp8_quant_gemm(a, w.values, w.scale, impl="tilelang")
+
+
+def test_quant_config_covers_the_rows_and_splits_k():
+    """Row tiles of 16 up to 16 rows, 32 and 64 above; K split the fewest ways that make 256 programs, at most
+    16 and keeping two K blocks a split."""
+    assert quant_config(1, 2048, 4096) == replace(QUANT_CFG, split_k=16)  # 16 tiles, 32 K blocks
+    assert quant_config(1, 512, 4096) == replace(QUANT_CFG, split_k=16)  # 4 tiles: the most splits
+    assert quant_config(1, 4096, 2048) == replace(QUANT_CFG, split_k=8)  # 32 tiles
+    assert quant_config(16, 32768, 1024) == replace(QUANT_CFG, split_k=1)  # 256 tiles
+    assert quant_config(1, 128, 256) == replace(QUANT_CFG, split_k=1)  # two K blocks: no split
+    assert quant_config(17, 2048, 4096).block_m == 32
+    assert quant_config(64, 2048, 4096).block_m == 64
+
+
+@pytest.mark.parametrize("m, n, k", [(1, 2048, 4096), (1, 32768, 1024), (32, 4096, 8192), (64, 512, 4096)])
+@pytest.mark.parametrize("ue8m0", [False, True])
+def test_kernel_compiles_to_sm90_cubin_at_v4_flash_shapes(m, n, k, ue8m0):
+    """With the conversions a GPU runs ("cast") and bf16 activations, within its shared memory (no GPU needed)."""
+    pytest.importorskip("triton")
+    from djax.ffi.cubin import MAX_SHARED_BYTES, compile_triton
+    from djax.kernels import fp8_quant_triton as qk
+
+    cfg = quant_config(m, n, k)
+    cx = qk.constexprs(m, n, k, ue8m0, "cast", cfg)
+    out = jnp.float32 if cfg.split_k > 1 else jnp.bfloat16
+    dtypes = [jnp.bfloat16, jnp.float8_e4m3fn, jnp.float32, out]
+    kern = compile_triton(
+        qk.fp8_quant_gemm_kernel, ["a_ptr", "b_ptr", "bs_ptr", "c_ptr"], dtypes, cx, 4, cfg.num_stages
+    )
+    assert kern.binary[:4] == b"\x7fELF" and kern.threads == 32 * cfg.num_warps
+    assert 0 < kern.shared_bytes <= MAX_SHARED_BYTES
+
+
+def test_under_jit_matches_numpy():
+    rng = np.random.default_rng(5)
+    a, w = _acts(rng, 6, 256), _weight(rng, 128, 256)
+    f = jax.jit(lambda a, v, s: fp8_quant_gemm(a, v, s, True, impl="ref"))
+    got, want = np.asarray(f(a, w.values, w.scale), np.float64), _numpy(a, w, True)
+    assert np.abs(got - want).max() <= 1e-5 * np.abs(want).max()
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("m", [1, 7, 32, 64])
+@pytest.mark.parametrize("ue8m0", [False, True])
+def test_triton_on_the_gpu_matches_reference(m, ue8m0):
+    """bf16 activations against a 2048 x 4096 weight at the shape's default tiles: the same quantized operands
+    summed in float32 in another order, then rounded to bf16 (one bf16 ulp, 2^-8 relative)."""
+    rng = np.random.default_rng(m)
+    a, w = _acts(rng, m, 4096, jnp.bfloat16), _weight(rng, 2048, 4096)
+    want = fp8_quant_gemm(a, w.values, w.scale, ue8m0, impl="ref")
+    got = fp8_quant_gemm(a, w.values, w.scale, ue8m0, impl="triton")
+    assert got.dtype == jnp.bfloat16 and got.shape == (m, 2048)
+    assert_close(got.astype(jnp.float32), want.astype(jnp.float32), 2**-8)
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("ue8m0", [False, True])
+def test_gpu_kernel_quantizes_exactly_as_quantize_act(ue8m0):
+    """On the GPU too (Triton's fp8 conversion and IEEE division against XLA's): against the identity the
+    kernel returns quantize_act's values exactly, float32 in and out."""
+    rng = np.random.default_rng(8)
+    a = _acts(rng, 16, 512)
+    eye, ones = _identity_weight(512)
+    got = np.asarray(fp8_quant_gemm(a, eye, ones, ue8m0, impl="triton", cfg=SMALL))
+    np.testing.assert_array_equal(got, _quantized(a, ue8m0))
