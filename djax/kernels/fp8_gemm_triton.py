@@ -59,10 +59,10 @@ def dense_config(m: int, n: int, k: int) -> Fp8Config:
     return replace(DECODE_CFG, split_k=fewest_splits(tiles, -(-k // SCALE_BLOCK)))
 
 
-def fewest_splits(tiles: int, k_blocks: int) -> int:
-    """The K split of a decode GEMM of `tiles` output tiles: the fewest of 1, 2, 4 or 8 splits (dividing the
-    K blocks, two or more each) that make 256 programs, about two per SM, else the most of them."""
-    splits = [s for s in (1, 2, 4, 8) if k_blocks % s == 0 and k_blocks // s >= 2] or [1]
+def fewest_splits(tiles: int, k_blocks: int, choices: tuple[int, ...] = (1, 2, 4, 8)) -> int:
+    """The K split of a decode GEMM of `tiles` output tiles: the fewest of `choices` splits (dividing the K
+    blocks, two or more each) that make 256 programs, about two per SM, else the most of them."""
+    splits = [s for s in choices if k_blocks % s == 0 and k_blocks // s >= 2] or [1]
     return next((s for s in splits if tiles * s >= 256), splits[-1])
 
 

@@ -6,8 +6,9 @@ GEMM, and the sum of its K splits. At one row on the H200 (`kernels_h200_fp8_lin
 ones took 3.4 us next to a 3.8 us GEMM at 2048 x 4096, so the projection lost to the same product on a bf16
 weight that reads twice the bytes. Here each program loads its [BLOCK_M, 128] tile of a (bf16) per K block,
 takes each row's absolute maximum and scale exactly as `fp8_gemm_ref.quantize_act` does (amax / 448, or
-DeepSeek's UE8M0 power of two), rounds a / scale to e4m3 and runs the same fp8 dot and promotion as
-`fp8_gemm_triton`. Every program of a row tile quantizes the same a again: at decode a is a few rows of K
+DeepSeek's UE8M0 power of two), rounds a / scale to e4m3, and runs an fp8 dot per K block with
+`fp8_gemm_triton`'s promotion (with 16- and 32-row tiles Triton runs the dot as mma.sync on f16 operands, in
+which e4m3 values are exact; with 64-row tiles as wgmma on fp8). Every program of a row tile quantizes the same a again: at decode a is a few rows of K
 values, a small fraction of the weight bytes each program reads.
 
 b: the weight, e4m3 [N, K]; bs: float32 [N / 128, K / 128]; N and K multiples of 128, BLOCK_N dividing 128 (one
@@ -17,8 +18,9 @@ rounded to e4m3 in float32 arithmetic, as the interpreter runs it: it does not r
 the first's slow twin).
 
 Scales: with UE8M0 (powers of two) a / scale is a multiplication by the scale's exact inverse; with plain
-scales an IEEE division, which costs: on an H100 that form ran 1.8-3.3x slower than quantizing before the
-GEMM at one row (djax/kernels/NOTES.md), so the model takes this kernel for UE8M0 weights only.
+scales an IEEE division, which costs: on an H100 that form ran 1.2-1.9x slower than quantizing before the
+GEMM at one row (faster at some shapes at 8 rows; djax/kernels/NOTES.md), so the model takes this kernel for
+UE8M0 weights only.
 
 Split-K as in `fp8_gemm_triton`: program (tile, s) sums the s-th run of K blocks into the float32 partial
 c[s]; the caller sums c over its first axis.
@@ -31,7 +33,7 @@ from dataclasses import replace
 import triton
 import triton.language as tl
 
-from djax.kernels.fp8_gemm_triton import Fp8Config, program_tile, split_k
+from djax.kernels.fp8_gemm_triton import Fp8Config, fewest_splits, grid, program_tile, split_k
 
 ROUNDINGS = ("cast", "bits")
 # 16-row tiles (mma.sync) of 128 weight rows, six stages; K split until about two programs a SM. H100, 2026-12-06
@@ -44,14 +46,12 @@ SPLITS = (1, 2, 4, 8, 16)
 
 
 def quant_config(m: int, n: int, k: int) -> Fp8Config:
-    """The kernel's tiles when none are given: QUANT_CFG with its block_m raised to cover m (16, 32, 64, 128),
-    K split the fewest ways of SPLITS that make 256 programs (each split two K blocks or more), else the most."""
-    block_m = next((b for b in (16, 32, 64) if m <= b), 128)
+    """The kernel's tiles when none are given: QUANT_CFG with its block_m raised to cover m (16, 32, then 64-row
+    tiles), K split the fewest ways of SPLITS that make 256 programs (each split two K blocks or more), else
+    the most."""
+    block_m = next((b for b in (16, 32) if m <= b), 64)
     tiles = -(-m // block_m) * -(-n // QUANT_CFG.block_n)
-    kb = k // 128
-    splits = [s for s in SPLITS if kb % s == 0 and kb // s >= 2] or [1]
-    split = next((s for s in splits if tiles * s >= 256), splits[-1])
-    return replace(QUANT_CFG, block_m=block_m, split_k=split)
+    return replace(QUANT_CFG, block_m=block_m, split_k=fewest_splits(tiles, k // 128, SPLITS))
 
 
 @triton.jit
@@ -75,7 +75,8 @@ def _pow2_ceil(s):
 
 @triton.jit
 def _pow2_inverse(s):
-    """1 / s for a power of two s (2^-21 .. 2^127), exactly, from its bits."""
+    """1 / s for a power of two s (2^-126 .. 2^126), exactly, from its bits. The kernel's UE8M0 scales are 2^-22
+    or more (the 1e-4 floor)."""
     return ((254 << 23) - s.to(tl.int32, bitcast=True)).to(tl.float32, bitcast=True)
 
 
@@ -96,12 +97,12 @@ def fp8_quant_gemm_kernel(
 ):
     BK: tl.constexpr = 128
     KB: tl.constexpr = K // BK
-    # split s takes K blocks [s * PER, (s + 1) * PER): a constant trip count keeps the loop pipelined; the
+    # split s takes K blocks [s * KBS, (s + 1) * KBS): a constant trip count keeps the loop pipelined; the
     # last split's blocks past K load nothing (it may have none)
-    PER: tl.constexpr = (KB + SPLIT_K - 1) // SPLIT_K
+    KBS: tl.constexpr = (KB + SPLIT_K - 1) // SPLIT_K
     pid_m, pid_n = program_tile(N, BLOCK_N)
     pid_k = tl.program_id(1)
-    kb0 = pid_k * PER
+    kb0 = pid_k * KBS
     c_ptr += pid_k.to(tl.int64) * M * N
     rm = pid_m * BLOCK_M + tl.arange(0, BLOCK_M)
     rn = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
@@ -114,7 +115,7 @@ def fp8_quant_gemm_kernel(
     # the weight scale is read one K block ahead (as in fp8_gemm_triton: Triton pipelines only the loads that
     # feed the dot); past the last block the tiles load as zeros and any finite scale will do
     sb = tl.load(bs_ptrs + tl.minimum(kb0, KB - 1))
-    for i in range(0, PER):
+    for i in range(0, KBS):
         k_ok = (kb0 + i) * BK + rk < K  # false for the whole block past K
         a = tl.load(a_ptrs, mask=m_ok[:, None] & k_ok[None, :], other=0.0).to(tl.float32)
         b = tl.load(b_ptrs, mask=k_ok[None, :], other=0.0)
@@ -127,8 +128,8 @@ def fp8_quant_gemm_kernel(
         else:
             sa = tl.maximum(amax, 1e-12) * (1.0 / 448.0)
             q = tl.math.div_rn(a, sa[:, None])
-        if BITS:
-            part = tl.dot(_round_e4m3(q), tl.trans(b), input_precision="ieee")
+        if BITS:  # float32 operands (b's e4m3 values are exact in float32)
+            part = tl.dot(_round_e4m3(q), tl.trans(b).to(tl.float32), input_precision="ieee")
         else:
             part = tl.dot(q.to(tl.float8e4nv), tl.trans(b))
         acc += part * (sa * sb)[:, None]
@@ -162,11 +163,6 @@ def constexprs(m: int, n: int, k: int, ue8m0: bool, rounding: str, cfg: Fp8Confi
         BLOCK_N=cfg.block_n,
         SPLIT_K=split_k(cfg),
     )
-
-
-def grid(m: int, n: int, cfg: Fp8Config) -> tuple[int, int]:
-    """(output tiles, K splits)."""
-    return triton.cdiv(m, cfg.block_m) * triton.cdiv(n, cfg.block_n), split_k(cfg)
 
 
 def launch_torch(a, b, scale, ue8m0: bool, cfg: Fp8Config, rounding: str = "bits"):

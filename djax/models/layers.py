@@ -91,11 +91,11 @@ FP8_WEIGHT_MAX_ROWS = 128
 # activations quantized inside the GEMM, instead of `quantize_act` then `fp8_gemm`. H100, 2026-12-06, device
 # time, V4-Flash's six projection shapes (`fp8_quant_gemm_h100_default_ab.json`): at 1 and 8 rows 1.1-1.7x
 # faster than the two steps (14.5 against 17.5 us at 32768 x 1024, 4.6 against 7.8 at 512 x 4096); at 16 rows,
-# with the kernel's first tiles, faster at every shape (`fp8_quant_gemm_h100_ab.json`); at 32 rows, first
-# tiles too, 5-10% slower at 32768 x 1024 and 4096 x 8192 (`fp8_quant_gemm_h100_plain_scales_ab.json`). The
-# decode step at batch 1 (FP8, UE8M0): 1.49-1.54 ms against 1.66, 26 fewer kernels, the GPU's busy time
-# unchanged (`launches_h100_quant_gemm_ab.json`). Plain scales keep the two steps: the kernel's IEEE division
-# makes it slower than they are.
+# with the kernel's first tiles, faster at five shapes and tied at the sixth (`fp8_quant_gemm_h100_ab.json`);
+# at 32 rows, first tiles too, 4-11% slower at 32768 x 1024 and 4096 x 8192
+# (`fp8_quant_gemm_h100_plain_scales_ab.json`). The decode step at batch 1 (FP8, UE8M0): 1.49-1.54 ms against
+# 1.66, 26 fewer kernels, the GPU's busy time unchanged (`launches_h100_quant_gemm_ab.json`). Plain scales keep
+# the two steps: with them the kernel divides by IEEE rules and was 1.2-1.9x slower at one row.
 FP8_QUANT_GEMM_MAX_ROWS = 16
 
 
