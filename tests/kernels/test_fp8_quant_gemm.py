@@ -88,6 +88,25 @@ def test_triton_kernel_matches_reference(m, n, k, cfg, ue8m0):
     assert_close(got, want, 1e-6)
 
 
+@needs_triton_interp
+def test_kernel_loads_and_stores_bf16():
+    """bf16 activations in and a bf16 result out, as on a GPU (the other interpreted tests pass float32): the
+    reference's bf16 result within one bf16 rounding."""
+    import torch
+
+    from djax.kernels.fp8_quant_triton import launch_torch
+
+    rng = np.random.default_rng(9)
+    a = _acts(rng, 5, 384, jnp.bfloat16, spread=(0.5, 2.0))
+    w = _weight(rng, 256, 384)
+    a_t = torch.from_numpy(np.array(a, np.float32)).to(torch.bfloat16)
+    b_t = torch.from_numpy(np.array(w.values, np.float32))
+    got = launch_torch(a_t, b_t, torch.from_numpy(np.array(w.scale)), True, SMALL)
+    assert got.dtype == torch.bfloat16
+    want = fp8_quant_gemm(a, w.values, w.scale, True, impl="ref")
+    assert_close(got.float().numpy(), want.astype(jnp.float32), 2**-8)
+
+
 def _identity_weight(k):
     """The identity as an FP8 weight with unit scales: the product returns the activations as quantized."""
     eye = jnp.eye(k, dtype=jnp.float32).astype(jnp.float8_e4m3fn)
@@ -102,9 +121,13 @@ def _quantized(a, ue8m0):
 @needs_triton_interp
 @pytest.mark.parametrize("ue8m0", [False, True])
 def test_kernel_quantizes_exactly_as_quantize_act(ue8m0):
-    """Against the identity each output is one product, q times its scale: exactly quantize_act's values."""
+    """Against the identity each output is one product, q times its scale: exactly quantize_act's values.
+    Row 1's second block is tiny (amax 3e-13, under both scale floors: 1e-12 plain, 1e-4 UE8M0), so its
+    values land on e4m3's subnormals or below them."""
     rng = np.random.default_rng(7)
-    a = _acts(rng, 4, 256)
+    a = np.array(_acts(rng, 4, 256))
+    a[1, 128:] = rng.uniform(-3e-13, 3e-13, 128)
+    a = jnp.asarray(a)
     eye, ones = _identity_weight(256)
     got = np.asarray(fp8_quant_gemm(a, eye, ones, ue8m0, impl="interpret", cfg=SMALL))
     np.testing.assert_array_equal(got, _quantized(a, ue8m0))
@@ -223,9 +246,11 @@ def test_triton_on_the_gpu_matches_reference(m, ue8m0):
 @pytest.mark.parametrize("ue8m0", [False, True])
 def test_gpu_kernel_quantizes_exactly_as_quantize_act(ue8m0):
     """On the GPU too (Triton's fp8 conversion and IEEE division against XLA's): against the identity the
-    kernel returns quantize_act's values exactly, float32 in and out."""
+    kernel returns quantize_act's values exactly, float32 in and out; one block under both scale floors."""
     rng = np.random.default_rng(8)
-    a = _acts(rng, 16, 512)
+    a = np.array(_acts(rng, 16, 512))
+    a[1, 128:256] = rng.uniform(-3e-13, 3e-13, 128)
+    a = jnp.asarray(a)
     eye, ones = _identity_weight(512)
     got = np.asarray(fp8_quant_gemm(a, eye, ones, ue8m0, impl="triton", cfg=SMALL))
     np.testing.assert_array_equal(got, _quantized(a, ue8m0))
