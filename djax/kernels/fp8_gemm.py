@@ -21,6 +21,7 @@ from djax.kernels.fp8_gemm_ref import (
     grouped_contiguous_ref,
     grouped_masked_ref,
     grouped_swiglu_contiguous_ref,
+    quantize_act,
 )
 from djax.kernels.fp8_gemm_triton import DEFAULT_CFG as FP8_CFG
 from djax.kernels.fp8_gemm_triton import dense_config, split_k
@@ -104,9 +105,7 @@ def fp8_weight_gemm(a, b, b_scale, block, impl: str = "auto", cfg=None, decode: 
     decode = decode or ("bits" if impl == "interpret" else "cast")
     cx = wk.constexprs(m, n, k, block, decode, cfg, g)  # checks the config at trace time, before any callback
     splits = split_k(cfg)
-    out = jax.ShapeDtypeStruct((g, m, n), a.dtype)
-    if splits > 1:  # each split writes an f32 partial, summed and cast after the kernel
-        out = jax.ShapeDtypeStruct((splits, g, m, n), jnp.float32)
+    out = _result((g, m, n), a.dtype, splits)
     args = [a, jax.lax.bitcast_convert_type(b, jnp.uint8), b_scale.astype(jnp.float32)]
     if impl == "interpret":
         host = lambda *h: _host_weight(block, cfg, decode, out.dtype, *h)  # noqa: E731
@@ -114,7 +113,7 @@ def fp8_weight_gemm(a, b, b_scale, block, impl: str = "auto", cfg=None, decode: 
     else:
         names = ["a_ptr", "b_ptr", "bs_ptr", "c_ptr"]
         c = _launch(wk.fp8_weight_gemm_kernel, names, args, out, cx, cfg, wk.grid(m, n, cfg, g))
-    c = c if splits == 1 else c.sum(0).astype(a.dtype)
+    c = _summed(c, splits, a.dtype)
     return c[0] if plain else c
 
 
@@ -134,7 +133,6 @@ def fp8_quant_gemm(
     `fp8_quant_triton.quant_config`); rounding: how the kernel rounds a / scale to e4m3 ("cast" or "bits";
     None: "cast" compiled, "bits" interpreted)."""
     from djax.kernels import fp8_quant_triton as qk
-    from djax.kernels.fp8_gemm_ref import quantize_act
 
     shapes.fp8_quant(a, b, b_scale)
     impl = resolve(impl, QUANT_IMPLS)
@@ -146,9 +144,7 @@ def fp8_quant_gemm(
     rounding = rounding or ("bits" if impl == "interpret" else "cast")
     cx = qk.constexprs(m, n, k, ue8m0, rounding, cfg)  # checks the config at trace time, before any callback
     splits = split_k(cfg)
-    out = jax.ShapeDtypeStruct((m, n), a.dtype)
-    if splits > 1:  # each split writes an f32 partial, summed and cast after the kernel
-        out = jax.ShapeDtypeStruct((splits, m, n), jnp.float32)
+    out = _result((m, n), a.dtype, splits)
     args = [a, b, b_scale.astype(jnp.float32)]
     if impl == "interpret":
         host = lambda *h: _host_quant(ue8m0, cfg, rounding, out.dtype, *h)  # noqa: E731
@@ -156,7 +152,7 @@ def fp8_quant_gemm(
     else:
         names = ["a_ptr", "b_ptr", "bs_ptr", "c_ptr"]
         c = _launch(qk.fp8_quant_gemm_kernel, names, args, out, cx, cfg, qk.grid(m, n, cfg))
-    return c if splits == 1 else c.sum(0).astype(a.dtype)
+    return _summed(c, splits, a.dtype)
 
 
 def auto_takes_tilelang(a, b, out_dtype) -> bool:
@@ -328,9 +324,7 @@ def _run(impl, mode, a, a_scale, b, b_scale, groups, out_dtype, cfg):
     m = nb * mg if mode == "masked" else a.shape[0]
     cx = tk.constexprs(m, n, k, mg, mode, cfg)  # checks the config at trace time, before any callback
     splits = split_k(cfg)
-    out = jax.ShapeDtypeStruct((*a.shape[:-1], n), out_dtype)
-    if splits > 1:  # each split writes an f32 partial, summed and cast after the kernel
-        out = jax.ShapeDtypeStruct((splits, *out.shape), f32)
+    out = _result((*a.shape[:-1], n), out_dtype, splits)
     groups = jnp.zeros((1,), jnp.int32) if groups is None else groups.astype(jnp.int32)
     args = [a, a_scale.astype(f32), b, b_scale.astype(f32), groups]
     if impl == "interpret":
@@ -338,7 +332,22 @@ def _run(impl, mode, a, a_scale, b, b_scale, groups, out_dtype, cfg):
     else:
         names = ["a_ptr", "as_ptr", "b_ptr", "bs_ptr", "grp_ptr", "c_ptr"]
         c = _launch(tk.fp8_gemm_kernel, names, args, out, cx, cfg, tk.grid(m, n, cfg))
-    return c if splits == 1 else c.sum(0).astype(out_dtype)
+    return _summed(c, splits, out_dtype)
+
+
+def _result(shape: tuple, dtype, splits: int) -> jax.ShapeDtypeStruct:
+    """A Triton GEMM's output: `shape` in `dtype`, or with K split the float32 partials [splits, *shape] each
+    split writes (`_summed` adds them and casts after the kernel)."""
+    return (
+        jax.ShapeDtypeStruct(shape, dtype)
+        if splits == 1
+        else jax.ShapeDtypeStruct((splits, *shape), jnp.float32)
+    )
+
+
+def _summed(c, splits: int, dtype):
+    """`_result`'s output as the product: the partials summed in float32, then cast to `dtype`."""
+    return c if splits == 1 else c.sum(0).astype(dtype)
 
 
 def _launch(kernel, names, args, out, constexprs, cfg, grid):

@@ -137,13 +137,15 @@ def linear(x: jax.Array, w: jax.Array, fp8: str | None = None) -> jax.Array:
 
     rows = x.reshape(-1, x.shape[-1])
     # partitioned by rows: under a batch-split mesh each device runs the GEMM on its own rows
-    if takes_fp8_gemm(w) and has_ue8m0_scales(w) and rows.shape[0] <= FP8_QUANT_GEMM_MAX_ROWS:
-        y = partition.fp8_quant_gemm(fp8)(rows, w.values, w.scale.astype(jnp.float32), True)
-    elif takes_fp8_gemm(w):
-        from djax.kernels.fp8_gemm_ref import quantize_act
+    if takes_fp8_gemm(w):
+        ue8m0, scale = has_ue8m0_scales(w), w.scale.astype(jnp.float32)
+        if ue8m0 and rows.shape[0] <= FP8_QUANT_GEMM_MAX_ROWS:  # quantized inside the GEMM
+            y = partition.fp8_quant_gemm(fp8)(rows, w.values, scale, True)
+        else:
+            from djax.kernels.fp8_gemm_ref import quantize_act
 
-        a, a_scale = quantize_act(rows, ue8m0=has_ue8m0_scales(w))
-        y = partition.fp8_gemm(fp8)(a, a_scale, w.values, w.scale.astype(jnp.float32), x.dtype)
+            a, a_scale = quantize_act(rows, ue8m0=ue8m0)
+            y = partition.fp8_gemm(fp8)(a, a_scale, w.values, scale, x.dtype)
     elif takes_fp8_weight_gemm(w) and rows.shape[0] <= FP8_WEIGHT_MAX_ROWS:
         y = partition.fp8_weight_gemm(fp8)(rows, w.values, w.scale, w.block)
     else:
