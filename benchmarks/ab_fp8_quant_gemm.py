@@ -9,7 +9,8 @@ and a 128 x 128-block FP8 weight:
     TileLang's kernel where that picks it);
   - "quant default": `fp8_quant_gemm` at its default tiles (`fp8_quant_triton.quant_config`);
   - each also with UE8M0 (power-of-two) activation scales, "... ue8m0";
-  - at the --sweep-rows counts, `fp8_quant_gemm` (UE8M0) at other tiles: "quant m{BLOCK_M} n{BLOCK_N} s{split}";
+  - at the --sweep-rows counts, `fp8_quant_gemm` (UE8M0) at other tiles: "quant m{BLOCK_M} n{BLOCK_N} s{split}",
+    "... swap" where the dot is taken as b a^T;
   - "bf16 weight": x @ w^T on the bf16 weight (XLA), twice the bytes.
 Each is checked against the two-step jnp reference first (a wrong one is recorded and not timed); then every
 round times each once (device time from a profiler trace), each round starting with the next variant. Input sets
@@ -47,19 +48,23 @@ def two_step(x, v, s, ue8m0=False):
 
 
 def sweep(m, n, k):
-    """(name, Fp8Config) pairs of the kernel's tiles to try at one shape: 16-row (mma.sync) and 64-row (wgmma)
-    tiles, BLOCK_N 32, 64, 128, each with the K split of `fewest_splits` and twice that (where every split
-    keeps two K blocks or more), at 6 stages."""
+    """(name, QuantConfig) pairs of the kernel's tiles to try at one shape, each at the K split of
+    `fewest_splits` and twice that (where every split keeps two K blocks or more), 6 stages: 16-row tiles of 64
+    and 128 weight rows (64-row and 32-column ones lost by 1.1-1.5x in `fp8_quant_gemm_h100_ab.json`); and the
+    dot swapped (b a^T: an fp8 wgmma whose 64-row side is the weight's), 8-row tiles where m fits and 16-row
+    ones, of 64 and 128 weight rows."""
     base = qk.quant_config(m, n, k)
+    plain = [(16, bn, False) for bn in (64, 128)]
+    swapped = [(bm, bn, True) for bm in sorted({8 if m <= 8 else 16, 16}) for bn in (64, 128)]
     out = []
-    for bm in (16, 64):
-        for bn in (32, 64, 128):
-            tiles = -(-m // bm) * (n // bn)
-            s = fewest_splits(tiles, k // 128)
-            for split in (s, 2 * s):
-                if (k // 128) % split == 0 and k // 128 // split >= 2:
-                    out.append(replace(base, block_m=bm, block_n=bn, split_k=split))
-    return [(f"quant m{c.block_m} n{c.block_n} s{c.split_k}", c) for c in dict.fromkeys(out) if c != base]
+    for bm, bn, swap in plain + swapped:
+        tiles = -(-m // bm) * (n // bn)
+        s = fewest_splits(tiles, k // 128)
+        for split in (s, 2 * s):
+            if (k // 128) % split == 0 and k // 128 // split >= 2:
+                out.append(replace(base, block_m=bm, block_n=bn, split_k=split, swap_ab=swap))
+    names = [f"quant m{c.block_m} n{c.block_n} s{c.split_k}" + (" swap" if c.swap_ab else "") for c in out]
+    return [(name, c) for name, c in dict(zip(names, out)).items() if c != base]
 
 
 def plot(result: dict, path: str) -> None:

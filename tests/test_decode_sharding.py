@@ -52,8 +52,8 @@ SCRIPT = textwrap.dedent(
             err = float(np.abs(np.asarray(got) - np.asarray(ref_logits)).max() / np.abs(np.asarray(ref_logits)).max())
             assert err <= 1e-5, ("kernels ref", err)
 
-            # FP8 projections (dims multiples of 128) through fp8_gemm's rule: each device quantizes and
-            # multiplies its own rows
+            # FP8 projections (dims multiples of 128) through fp8_quant_gemm's rule (a decode step's few
+            # rows): each device quantizes and multiplies its own rows
             cfg8 = cfg.replace(hidden_size=256, q_lora_rank=128, num_attention_heads=2, head_dim=64,
                                qk_rope_head_dim=16, o_lora_rank=64, o_groups=2, moe_intermediate_size=128)
             # (routed experts left unquantized: under ExpertParallel they take the local impl, not the FP8 path
@@ -65,11 +65,11 @@ SCRIPT = textwrap.dedent(
             ref8, _ = jax.jit(kern8)(p8, tok, st8)
             fp8_calls = []
             from djax.kernels import fp8_gemm as kfp8
-            real = kfp8.fp8_gemm
-            kfp8.fp8_gemm = lambda *a, **kw: fp8_calls.append(a[0].shape) or real(*a, **kw)
+            real = kfp8.fp8_quant_gemm
+            kfp8.fp8_quant_gemm = lambda *a, **kw: fp8_calls.append(a[0].shape) or real(*a, **kw)
             split8 = jax.jit(partial(kern8, moe_impl=impl)).lower(
                 djax.shard_params(p8, cfg8, mesh), tok_split, jax.device_put(st8, row)).compile()
-            kfp8.fp8_gemm = real
+            kfp8.fp8_quant_gemm = real
             # traced whole for the shapes (4 rows), then lowered for one device's 2 rows
             assert {s[0] for s in fp8_calls} == {4, 2}, fp8_calls
             assert not all_gathers(split8), all_gathers(split8)[:3]

@@ -124,9 +124,7 @@ def fp8_quant_gemm(
     the GEMM kernel (`fp8_quant_triton`): one kernel (and the split-K sum) where the two-step form runs the
     quantization's kernels first. For the few rows of a decode step. a [m, k] bf16; b e4m3 [n, k] with 128 x
     128 scales b_scale [n / 128, k / 128]; n and k multiples of 128. With ue8m0 (power-of-two scales) the
-    kernel multiplies by each scale's exact inverse; with plain scales it divides by IEEE rules, which made it
-    slower than the two steps at one row on an H100 (djax/kernels/NOTES.md), so the model takes it for UE8M0
-    weights only.
+    kernel multiplies by each scale's exact inverse; with plain scales it divides by IEEE rules.
 
     impl "triton", "interpret" (that kernel in Triton's CPU interpreter, float32 stand-ins), "ref" (the
     two-step jnp reference), or "auto" (Triton on CUDA). cfg: an `Fp8Config` (None:

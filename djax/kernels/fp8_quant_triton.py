@@ -7,9 +7,13 @@ ones took 3.4 us next to a 3.8 us GEMM at 2048 x 4096, so the projection lost to
 weight that reads twice the bytes. Here each program loads its [BLOCK_M, 128] tile of a (bf16) per K block,
 takes each row's absolute maximum and scale exactly as `fp8_gemm_ref.quantize_act` does (amax / 448, or
 DeepSeek's UE8M0 power of two), rounds a / scale to e4m3, and runs an fp8 dot per K block with
-`fp8_gemm_triton`'s promotion (with 16- and 32-row tiles Triton runs the dot as mma.sync on f16 operands, in
-which e4m3 values are exact; with 64-row tiles as wgmma on fp8). Every program of a row tile quantizes the same a again: at decode a is a few rows of K
-values, a small fraction of the weight bytes each program reads.
+`fp8_gemm_triton`'s promotion. Every program of a row tile quantizes the same a again: at decode a is a few
+rows of K values, a small fraction of the weight bytes each program reads.
+
+The dot's form. Taken as a b^T with 16- and 32-row tiles, Triton runs it as mma.sync on f16 operands (the e4m3
+values converted in registers, exactly); with 64-row tiles as an fp8 wgmma. Swapped (`QuantConfig.swap_ab`:
+b a^T, the result tile transposed back) the weight's rows are the wgmma's 64-row side and a's rows its n8 or
+n16 side, so a few rows run as fp8 wgmma straight from shared memory: the default up to 8 rows.
 
 b: the weight, e4m3 [N, K]; bs: float32 [N / 128, K / 128]; N and K multiples of 128, BLOCK_N dividing 128 (one
 weight scale per program and K block). a [M, K] bf16. In Triton's CPU interpreter a, b and the result are float32
@@ -18,9 +22,10 @@ rounded to e4m3 in float32 arithmetic, as the interpreter runs it: it does not r
 the first's slow twin).
 
 Scales: with UE8M0 (powers of two) a / scale is a multiplication by the scale's exact inverse; with plain
-scales an IEEE division, which costs: on an H100 that form ran 1.2-1.9x slower than quantizing before the
-GEMM at one row (faster at some shapes at 8 rows; djax/kernels/NOTES.md), so the model takes this kernel for
-UE8M0 weights only.
+scales an IEEE division. Masked activations (rows past M, blocks past K) load as ones rather than zeros: a
+zero divided by the floor scale takes the division's slow path, and at one row 15 of a 16-row tile's rows
+are masked; on an H100 that made the plain-scale kernel 1.2-1.9x slower than quantizing before the GEMM, and
+with ones it is faster at every V4-Flash projection shape (djax/kernels/NOTES.md).
 
 Split-K as in `fp8_gemm_triton`: program (tile, s) sums the s-th run of K blocks into the float32 partial
 c[s]; the caller sums c over its first axis.
@@ -28,7 +33,7 @@ c[s]; the caller sums c over its first axis.
 
 from __future__ import annotations
 
-from dataclasses import replace
+from dataclasses import dataclass, replace
 
 import triton
 import triton.language as tl
@@ -36,22 +41,43 @@ import triton.language as tl
 from djax.kernels.fp8_gemm_triton import Fp8Config, fewest_splits, grid, program_tile, split_k
 
 ROUNDINGS = ("cast", "bits")
+
+
+@dataclass(frozen=True)
+class QuantConfig(Fp8Config):
+    """Fp8Config plus swap_ab: the dot taken as b a^T, the weight tile its first operand, so that at a few rows
+    Hopper runs it as an fp8 wgmma whose 64-row side is the weight's rows (n8 or n16 for 8 or 16 rows of a)
+    instead of mma.sync on f16 operands converted from e4m3 in registers; the result tile is transposed back."""
+
+    swap_ab: bool = False
+
+
 # 16-row tiles (mma.sync) of 128 weight rows, six stages; K split until about two programs a SM. H100, 2026-12-06
 # (`fp8_quant_gemm_h100_ab.json`, one row, UE8M0 scales, device time, V4-Flash's six projection shapes): 128
 # weight rows a program were the fastest of 32, 64 and 128 or within 4% of it (14.8 against 17.4 us for 64 at
 # 32768 x 1024); the best 64-row (wgmma) tiles were 1.14-1.49x slower than the best 16-row ones (they quantize
 # 64 rows); splits up to 16 paid where the output has few tiles (5.3 against 6.2 us at 1024 x 4096).
-QUANT_CFG = Fp8Config(block_m=16, block_n=128, block_k=128, num_warps=4, num_stages=6)
+QUANT_CFG = QuantConfig(block_m=16, block_n=128, block_k=128, num_warps=4, num_stages=6)
+# Up to 8 rows the dot swapped, 8-row tiles, else as QUANT_CFG. H100, 2026-12-06 (two rounds, the same six shapes,
+# `fp8_quant_gemm_h100_swap_ab.json`): at one row 3-6% faster than QUANT_CFG at every shape (13.98 against 14.82
+# us at 32768 x 1024, 4.44 against 4.72 at 512 x 4096), at 8 rows 1.5-9%. Swapped 16-row tiles need 120 KB of
+# shared memory at six stages, one program a SM where the splits count on two: 8.09 against 6.52 us at 2048 x
+# 4096, one row.
+SWAPPED_CFG = replace(QUANT_CFG, block_m=8, swap_ab=True)
+SWAPPED_MAX_ROWS = 8
 SPLITS = (1, 2, 4, 8, 16)
 
 
-def quant_config(m: int, n: int, k: int) -> Fp8Config:
-    """The kernel's tiles when none are given: QUANT_CFG with its block_m raised to cover m (16, 32, then 64-row
-    tiles), K split the fewest ways of SPLITS that make 256 programs (each split two K blocks or more), else
-    the most."""
-    block_m = next((b for b in (16, 32) if m <= b), 64)
-    tiles = -(-m // block_m) * -(-n // QUANT_CFG.block_n)
-    return replace(QUANT_CFG, block_m=block_m, split_k=fewest_splits(tiles, k // 128, SPLITS))
+def quant_config(m: int, n: int, k: int) -> QuantConfig:
+    """The kernel's tiles when none are given: SWAPPED_CFG up to SWAPPED_MAX_ROWS rows, else QUANT_CFG with its
+    block_m raised to cover m (16, 32, then 64-row tiles); K split the fewest ways of SPLITS that make 256
+    programs (each split two K blocks or more), else the most."""
+    if m <= SWAPPED_MAX_ROWS:
+        base = SWAPPED_CFG
+    else:
+        base = replace(QUANT_CFG, block_m=next((b for b in (16, 32) if m <= b), 64))
+    tiles = -(-m // base.block_m) * -(-n // base.block_n)
+    return replace(base, split_k=fewest_splits(tiles, k // 128, SPLITS))
 
 
 @triton.jit
@@ -94,6 +120,7 @@ def fp8_quant_gemm_kernel(
     BLOCK_M: tl.constexpr,
     BLOCK_N: tl.constexpr,
     SPLIT_K: tl.constexpr,
+    SWAP_AB: tl.constexpr,  # the dot as b a^T (weight rows the wgmma's 64-row side), the result transposed
 ):
     BK: tl.constexpr = 128
     KB: tl.constexpr = K // BK
@@ -117,10 +144,12 @@ def fp8_quant_gemm_kernel(
     sb = tl.load(bs_ptrs + tl.minimum(kb0, KB - 1))
     for i in range(0, KBS):
         k_ok = (kb0 + i) * BK + rk < K  # false for the whole block past K
-        a = tl.load(a_ptrs, mask=m_ok[:, None] & k_ok[None, :], other=0.0).to(tl.float32)
+        # rows past M and blocks past K load as ones, not zeros (the module's docstring says why): their
+        # products are never stored (rows) or meet zero weights (blocks)
+        a = tl.load(a_ptrs, mask=m_ok[:, None] & k_ok[None, :], other=1.0).to(tl.float32)
         b = tl.load(b_ptrs, mask=k_ok[None, :], other=0.0)
         sb_next = tl.load(bs_ptrs + tl.minimum(kb0 + i + 1, KB - 1))
-        # quantize_act: one scale per row and 128 columns; rows past M are zeros and come out zero
+        # quantize_act: one scale per row and 128 columns
         amax = tl.max(tl.abs(a), axis=1)
         if UE8M0:  # a power of two: dividing is multiplying by its exact inverse
             sa = _pow2_ceil(tl.maximum(amax, 1e-4) * (1.0 / 448.0))
@@ -129,9 +158,13 @@ def fp8_quant_gemm_kernel(
             sa = tl.maximum(amax, 1e-12) * (1.0 / 448.0)
             q = tl.math.div_rn(a, sa[:, None])
         if BITS:  # float32 operands (b's e4m3 values are exact in float32)
-            part = tl.dot(_round_e4m3(q), tl.trans(b).to(tl.float32), input_precision="ieee")
+            q, b = _round_e4m3(q), b.to(tl.float32)
         else:
-            part = tl.dot(q.to(tl.float8e4nv), tl.trans(b))
+            q = q.to(tl.float8e4nv)
+        if SWAP_AB:
+            part = tl.trans(tl.dot(b, tl.trans(q), input_precision="ieee"))
+        else:
+            part = tl.dot(q, tl.trans(b), input_precision="ieee")
         acc += part * (sa * sb)[:, None]
         sb = sb_next
         a_ptrs += BK
@@ -162,6 +195,7 @@ def constexprs(m: int, n: int, k: int, ue8m0: bool, rounding: str, cfg: Fp8Confi
         BLOCK_M=cfg.block_m,
         BLOCK_N=cfg.block_n,
         SPLIT_K=split_k(cfg),
+        SWAP_AB=bool(getattr(cfg, "swap_ab", False)),
     )
 
 

@@ -87,15 +87,16 @@ def takes_fp8_grouped(w) -> bool:
 # against 88.1 us at 5120 x 8192): its dot runs at a fraction of cuBLAS's rate, and XLA fuses the
 # dequantisation into its own GEMM cheaply.
 FP8_WEIGHT_MAX_ROWS = 128
-# Rows up to which a `takes_fp8_gemm` weight with UE8M0 scales (V4's) runs as `fp8_quant_gemm`, the
-# activations quantized inside the GEMM, instead of `quantize_act` then `fp8_gemm`. H100, 2026-12-06, device
-# time, V4-Flash's six projection shapes (`fp8_quant_gemm_h100_default_ab.json`): at 1 and 8 rows 1.1-1.7x
-# faster than the two steps (14.5 against 17.5 us at 32768 x 1024, 4.6 against 7.8 at 512 x 4096); at 16 rows,
-# with the kernel's first tiles, faster at five shapes and tied at the sixth (`fp8_quant_gemm_h100_ab.json`);
-# at 32 rows, first tiles too, 4-11% slower at 32768 x 1024 and 4096 x 8192
-# (`fp8_quant_gemm_h100_plain_scales_ab.json`). The decode step at batch 1 (FP8, UE8M0): 1.49-1.54 ms against
-# 1.66, 26 fewer kernels, the GPU's busy time unchanged (`launches_h100_quant_gemm_ab.json`). Plain scales keep
-# the two steps: with them the kernel divides by IEEE rules and was 1.2-1.9x slower at one row.
+# Rows up to which a `takes_fp8_gemm` weight runs as `fp8_quant_gemm`, the activations quantized inside the
+# GEMM, instead of `quantize_act` then `fp8_gemm`. H100, 2026-12-06, device time, V4-Flash's six projection
+# shapes: at 1 and 8 rows 1.2-1.8x faster than the two steps with UE8M0 scales (14.0 against 17.7 us at 32768 x
+# 1024, 4.4 against 7.8 at 512 x 4096) and 1.1-1.4x with plain ones (16-row tiles;
+# `fp8_quant_gemm_h100_swap_ab.json`); at 16 rows, with the kernel's first tiles, faster at five shapes and tied
+# at the sixth (`fp8_quant_gemm_h100_ab.json`); at 32 rows, first tiles too, 4-11% slower at 32768 x 1024 and
+# 4096 x 8192 (`fp8_quant_gemm_h100_plain_scales_ab.json`). The decode step at batch 1: with UE8M0 scales
+# 1.49-1.54 ms against 1.66, 26 fewer kernels, the GPU's busy time unchanged
+# (`launches_h100_quant_gemm_ab.json`); with plain ones the GPU's busy time the same to 0.3%, 26 fewer kernels
+# (`launches_h100_quant_gemm_plain_ab.json`).
 FP8_QUANT_GEMM_MAX_ROWS = 16
 
 
@@ -126,8 +127,8 @@ def linear(x: jax.Array, w: jax.Array, fp8: str | None = None) -> jax.Array:
     With `fp8` (an impl of `djax.kernels.fp8_gemm`) and a weight `takes_fp8_gemm` accepts, the product runs
     as DeepSeek's inference runs it: x quantized to e4m3 per row and 128 columns (dynamic 1x128 scales,
     powers of two where the weight's scales are UE8M0, `has_ue8m0_scales`), then the block-scaled FP8
-    GEMM, which reads the narrow weight as stored; with UE8M0 scales and up to FP8_QUANT_GEMM_MAX_ROWS rows
-    both in one kernel (`fp8_quant_gemm`). A weight `takes_fp8_weight_gemm` accepts (V4.1's 32 x 32
+    GEMM, which reads the narrow weight as stored; up to FP8_QUANT_GEMM_MAX_ROWS rows both in one kernel
+    (`fp8_quant_gemm`). A weight `takes_fp8_weight_gemm` accepts (V4.1's 32 x 32
     blocks) is read as stored by `fp8_weight_gemm` for up to FP8_WEIGHT_MAX_ROWS rows, x as it is: the
     dense path's product without the dense copy. Otherwise, and for fp8 None, the weight is made dense in
     x's dtype first."""
@@ -139,8 +140,8 @@ def linear(x: jax.Array, w: jax.Array, fp8: str | None = None) -> jax.Array:
     # partitioned by rows: under a batch-split mesh each device runs the GEMM on its own rows
     if takes_fp8_gemm(w):
         ue8m0, scale = has_ue8m0_scales(w), w.scale.astype(jnp.float32)
-        if ue8m0 and rows.shape[0] <= FP8_QUANT_GEMM_MAX_ROWS:  # quantized inside the GEMM
-            y = partition.fp8_quant_gemm(fp8)(rows, w.values, scale, True)
+        if rows.shape[0] <= FP8_QUANT_GEMM_MAX_ROWS:  # quantized inside the GEMM
+            y = partition.fp8_quant_gemm(fp8)(rows, w.values, scale, ue8m0)
         else:
             from djax.kernels.fp8_gemm_ref import quantize_act
 

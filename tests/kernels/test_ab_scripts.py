@@ -99,7 +99,8 @@ def test_fp4_tilings_parse_and_plot(tmp_path, monkeypatch):
 
 
 def test_fp8_quant_gemm_sweep_and_run(tmp_path, monkeypatch):
-    """ab_fp8_quant_gemm: the sweep's tiles (16- and 64-row, splits that keep two K blocks, never the default)
+    """ab_fp8_quant_gemm: the sweep's tiles (16-row, and 8- and 16-row with the dot swapped; splits that keep two
+    K blocks, never the default)
     and a run on the CPU, where every variant takes the references: each checked and timed, the JSON and,
     where matplotlib is installed, the PNG written."""
     import ab_fp8_quant_gemm as ab
@@ -109,7 +110,8 @@ def test_fp8_quant_gemm_sweep_and_run(tmp_path, monkeypatch):
     tiles = ab.sweep(1, 512, 4096)
     default = quant_config(1, 512, 4096)
     assert tiles and all(c != default for _, c in tiles)
-    assert {c.block_m for _, c in tiles} == {16, 64}
+    assert {(c.block_m, c.swap_ab) for _, c in tiles} == {(16, False), (8, True), (16, True)}
+    assert {c.block_m for _, c in ab.sweep(9, 512, 4096)} == {16}
     assert all(4096 // 128 % c.split_k == 0 and 4096 // 128 // c.split_k >= 2 for _, c in tiles)
     # one shape, three input sets, one swept tile at two rows (each variant is compiled and traced on the CPU)
     argv = "--shapes 256x256 --rows 2 --sweep-rows 2 --rounds 1 --weight-mb 0 --out".split() + [str(tmp_path)]
@@ -124,7 +126,7 @@ def test_fp8_quant_gemm_sweep_and_run(tmp_path, monkeypatch):
     assert (row["m"], row["n"], row["k"]) == (2, 256, 256)
     names = set(row["rel_err"])
     assert {"two-step", "quant default", "quant default ue8m0", "bf16 weight"} <= names
-    assert len(names) == 6 and "quant m16 n32 s1 ue8m0" in names and res["copy_bw"] == 3e12
+    assert len(names) == 6 and "quant m16 n64 s1 ue8m0" in names and res["copy_bw"] == 3e12
     assert all(row["rel_err"][n] == 0.0 for n in names if n != "bf16 weight")  # the same jnp reference
     assert set(row["rounds"][0]) == names and all(t > 0 for t in row["rounds"][0].values())
     pytest.importorskip("matplotlib")

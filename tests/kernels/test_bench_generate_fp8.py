@@ -20,7 +20,13 @@ def test_dense_on_use_programs_read_no_fp8_weights(monkeypatch):
     import bench_generate as bg
 
     calls = []
-    for op in ("fp8_gemm", "fp8_weight_gemm", "grouped_contiguous", "grouped_swiglu_contiguous"):
+    for op in (
+        "fp8_gemm",
+        "fp8_quant_gemm",
+        "fp8_weight_gemm",
+        "grouped_contiguous",
+        "grouped_swiglu_contiguous",
+    ):
         fn = getattr(kfp8, op)
         monkeypatch.setattr(kfp8, op, lambda *a, fn=fn, op=op, **kw: calls.append(op) or fn(*a, **kw))
     cfg = bg.make_config(tiny=True).replace(hidden_size=256, q_lora_rank=128, o_lora_rank=128)
@@ -33,7 +39,8 @@ def test_dense_on_use_programs_read_no_fp8_weights(monkeypatch):
         jax.eval_shape(lambda p, t, s: v4.decode_step(p, t, s, cfg, kernels="ref"), p, tokens, state)
         return set(calls)
 
-    assert {"fp8_gemm", "fp8_weight_gemm"} <= traced(params)  # wo_a (1 x 128 x 128 blocks a group) too
+    # the decode step's two rows quantized inside the GEMM; wo_a (1 x 128 x 128 blocks a group) too
+    assert {"fp8_quant_gemm", "fp8_weight_gemm"} <= traced(params)
     dense = bg.dense_on_use(params)
     assert "fp8_weight_gemm" in traced(dense)  # 64 x 64 blocks alone: the weight-only kernel reads them
     with bg.no_fp8_weight_reads():

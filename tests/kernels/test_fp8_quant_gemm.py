@@ -17,10 +17,18 @@ from checks import assert_close, needs_triton_interp
 
 from djax.kernels.fp8_gemm import fp8_quant_gemm
 from djax.kernels.fp8_gemm_ref import quantize_act
-from djax.kernels.fp8_quant_triton import QUANT_CFG, Fp8Config, _round_e4m3, quant_config
+from djax.kernels.fp8_quant_triton import (
+    QUANT_CFG,
+    SWAPPED_CFG,
+    Fp8Config,
+    QuantConfig,
+    _round_e4m3,
+    quant_config,
+)
 from djax.quant import pow2_ceil, quantize
 
 SMALL = Fp8Config(block_m=16, block_n=32, block_k=128, num_warps=4, num_stages=1)
+SMALL_SWAPPED = QuantConfig(block_m=16, block_n=32, block_k=128, num_warps=4, num_stages=1, swap_ab=True)
 
 
 def _weight(rng, n, k):
@@ -72,6 +80,9 @@ def test_reference_matches_numpy(ue8m0):
         (20, 128, 256, Fp8Config(16, 64, 128, 4, 1)),  # two row tiles
         (3, 128, 640, Fp8Config(16, 128, 128, 4, 1, split_k=3)),  # K split, the last split short
         (2, 128, 384, Fp8Config(16, 32, 128, 4, 1, split_k=4)),  # four splits of three K blocks: one empty
+        (5, 256, 384, SMALL_SWAPPED),  # the dot as b a^T, the result transposed back
+        (3, 128, 640, QuantConfig(16, 128, 128, 4, 1, split_k=3, swap_ab=True)),
+        (7, 256, 512, QuantConfig(8, 64, 128, 4, 1, split_k=2, swap_ab=True)),  # 8-row tiles
     ],
 )
 @pytest.mark.parametrize("ue8m0", [False, True])
@@ -119,8 +130,9 @@ def _quantized(a, ue8m0):
 
 
 @needs_triton_interp
+@pytest.mark.parametrize("cfg", [SMALL, SMALL_SWAPPED])
 @pytest.mark.parametrize("ue8m0", [False, True])
-def test_kernel_quantizes_exactly_as_quantize_act(ue8m0):
+def test_kernel_quantizes_exactly_as_quantize_act(ue8m0, cfg):
     """Against the identity each output is one product, q times its scale: exactly quantize_act's values.
     Row 1's second block is tiny (amax 3e-13, under both scale floors: 1e-12 plain, 1e-4 UE8M0), so its
     values land on e4m3's subnormals or below them."""
@@ -129,7 +141,7 @@ def test_kernel_quantizes_exactly_as_quantize_act(ue8m0):
     a[1, 128:] = rng.uniform(-3e-13, 3e-13, 128)
     a = jnp.asarray(a)
     eye, ones = _identity_weight(256)
-    got = np.asarray(fp8_quant_gemm(a, eye, ones, ue8m0, impl="interpret", cfg=SMALL))
+    got = np.asarray(fp8_quant_gemm(a, eye, ones, ue8m0, impl="interpret", cfg=cfg))
     np.testing.assert_array_equal(got, _quantized(a, ue8m0))
 
 
@@ -179,19 +191,29 @@ def test_refusals_name_the_problem():
 
 
 def test_quant_config_covers_the_rows_and_splits_k():
-    """Row tiles of 16 up to 16 rows, of 32 up to 32, of 64 above; K split the fewest ways that make 256
-    programs, at most 16 and keeping two K blocks a split."""
-    assert quant_config(1, 2048, 4096) == replace(QUANT_CFG, split_k=16)  # 16 tiles, 32 K blocks
-    assert quant_config(1, 512, 4096) == replace(QUANT_CFG, split_k=16)  # 4 tiles: the most splits
-    assert quant_config(1, 4096, 2048) == replace(QUANT_CFG, split_k=8)  # 32 tiles
-    assert quant_config(16, 32768, 1024) == replace(QUANT_CFG, split_k=1)  # 256 tiles
-    assert quant_config(1, 128, 256) == replace(QUANT_CFG, split_k=1)  # two K blocks: no split
+    """Up to 8 rows the swapped dot on 8-row tiles; then row tiles of 16 up to 16 rows, of 32 up to 32, of 64
+    above; K split the fewest ways that make 256 programs, at most 16 and keeping two K blocks a split."""
+    assert SWAPPED_CFG.swap_ab and SWAPPED_CFG.block_m == 8 and not QUANT_CFG.swap_ab
+    assert quant_config(1, 2048, 4096) == replace(SWAPPED_CFG, split_k=16)  # 16 tiles, 32 K blocks
+    assert quant_config(8, 512, 4096) == replace(SWAPPED_CFG, split_k=16)  # 4 tiles: the most splits
+    assert quant_config(1, 4096, 2048) == replace(SWAPPED_CFG, split_k=8)  # 32 tiles
+    assert quant_config(1, 32768, 1024) == replace(SWAPPED_CFG, split_k=1)  # 256 tiles
+    assert quant_config(1, 128, 256) == replace(SWAPPED_CFG, split_k=1)  # two K blocks: no split
+    assert quant_config(9, 2048, 4096) == replace(QUANT_CFG, split_k=16)
+    assert quant_config(16, 32768, 1024) == replace(QUANT_CFG, split_k=1)
     assert quant_config(17, 2048, 4096).block_m == 32
     assert quant_config(64, 2048, 4096).block_m == 64
     assert quant_config(300, 2048, 4096).block_m == 64  # five row tiles
 
 
-_SHAPES = [(1, 2048, 4096), (1, 32768, 1024), (32, 4096, 8192), (64, 512, 4096), (300, 4096, 2048)]
+_SHAPES = [
+    (1, 2048, 4096),
+    (1, 32768, 1024),
+    (16, 4096, 8192),
+    (32, 4096, 8192),
+    (64, 512, 4096),
+    (300, 4096, 2048),
+]
 
 
 @pytest.mark.parametrize(
@@ -243,8 +265,23 @@ def test_triton_on_the_gpu_matches_reference(m, ue8m0):
 
 
 @pytest.mark.gpu
+@pytest.mark.parametrize("m, block_m, block_n", [(1, 8, 128), (7, 8, 64), (16, 16, 128)])
 @pytest.mark.parametrize("ue8m0", [False, True])
-def test_gpu_kernel_quantizes_exactly_as_quantize_act(ue8m0):
+def test_swapped_dot_on_the_gpu_matches_reference(m, block_m, block_n, ue8m0):
+    """The dot taken as b a^T (an fp8 wgmma with the weight rows as its 64-row side, n8 or n16), as above."""
+    rng = np.random.default_rng(100 + m)
+    a, w = _acts(rng, m, 4096, jnp.bfloat16, spread=(0.5, 2.0)), _weight(rng, 2048, 4096)
+    cfg = replace(quant_config(m, 2048, 4096), block_m=block_m, block_n=block_n, swap_ab=True)
+    want = fp8_quant_gemm(a, w.values, w.scale, ue8m0, impl="ref")
+    got = fp8_quant_gemm(a, w.values, w.scale, ue8m0, impl="triton", cfg=cfg)
+    assert got.dtype == jnp.bfloat16 and got.shape == (m, 2048)
+    assert_close(got.astype(jnp.float32), want.astype(jnp.float32), 2**-10)
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("cfg", [SMALL, SMALL_SWAPPED])
+@pytest.mark.parametrize("ue8m0", [False, True])
+def test_gpu_kernel_quantizes_exactly_as_quantize_act(ue8m0, cfg):
     """On the GPU too (Triton's fp8 conversion and IEEE division against XLA's): against the identity the
     kernel returns quantize_act's values exactly, float32 in and out; one block under both scale floors."""
     rng = np.random.default_rng(8)
@@ -252,5 +289,5 @@ def test_gpu_kernel_quantizes_exactly_as_quantize_act(ue8m0):
     a[1, 128:256] = rng.uniform(-3e-13, 3e-13, 128)
     a = jnp.asarray(a)
     eye, ones = _identity_weight(512)
-    got = np.asarray(fp8_quant_gemm(a, eye, ones, ue8m0, impl="triton", cfg=SMALL))
+    got = np.asarray(fp8_quant_gemm(a, eye, ones, ue8m0, impl="triton", cfg=cfg))
     np.testing.assert_array_equal(got, _quantized(a, ue8m0))

@@ -67,10 +67,10 @@ def test_linear_fp8_ref_matches_numpy(scale_fmt):
 
 
 @pytest.mark.parametrize("scale_fmt", [None, "ue8m0"])
-def test_linear_quantizes_inside_the_gemm_for_few_rows_with_ue8m0_scales(scale_fmt, monkeypatch):
-    """UE8M0 weights at up to FP8_QUANT_GEMM_MAX_ROWS rows: one `fp8_quant_gemm` call (the activations
-    quantized in the kernel), no separate `fp8_gemm`; more rows, and plain scales at any rows, take
-    `quantize_act` then `fp8_gemm`. The numbers are the brute force's either way."""
+def test_linear_quantizes_inside_the_gemm_for_few_rows(scale_fmt, monkeypatch):
+    """Plain and UE8M0 weights at up to FP8_QUANT_GEMM_MAX_ROWS rows: one `fp8_quant_gemm` call (the
+    activations quantized in the kernel, with the weight's kind of scale), no separate `fp8_gemm`; more rows
+    take `quantize_act` then `fp8_gemm`. The numbers are the brute force's either way."""
     calls = []
     for name in ("fp8_quant_gemm", "fp8_gemm"):
         real = getattr(kfp8, name)
@@ -80,10 +80,9 @@ def test_linear_quantizes_inside_the_gemm_for_few_rows_with_ue8m0_scales(scale_f
     w = quantize(
         jax.random.normal(jax.random.key(4), (256, 256), jnp.float32) * 0.05 * uneven, scale_fmt=scale_fmt
     )
-    fused = "fp8_quant_gemm" if scale_fmt else "fp8_gemm"
     for rows, path in (
-        (1, fused),
-        (FP8_QUANT_GEMM_MAX_ROWS, fused),
+        (1, "fp8_quant_gemm"),
+        (FP8_QUANT_GEMM_MAX_ROWS, "fp8_quant_gemm"),
         (FP8_QUANT_GEMM_MAX_ROWS + 1, "fp8_gemm"),
     ):
         x = jax.random.normal(jax.random.key(rows), (rows, 256), jnp.float32) * jnp.linspace(0.1, 4.0, 256)
@@ -325,15 +324,13 @@ def _v4_fp8_model(scale_fmt=None):
 
 @pytest.mark.parametrize("scale_fmt", [None, "ue8m0"])
 def test_decode_runs_fp8_weights_through_fp8_kernels(monkeypatch, scale_fmt):
-    """kernels="ref": every 128-multiple projection of a decode step goes through fp8_gemm (once per trace) and
-    every layer's routed experts through the FP8 gate/up kernel and one FP8 grouped GEMM; the logits stay
-    near the dense path's, which does not round activations. "ue8m0": V4's power-of-two weight scales, and
-    so power-of-two activation scales, the projections through fp8_quant_gemm (a decode step's few rows
-    quantized inside the GEMM)."""
+    """kernels="ref": every 128-multiple projection of a decode step goes through fp8_quant_gemm (a decode
+    step's few rows quantized inside the GEMM; once per trace) and every layer's routed experts through the
+    FP8 gate/up kernel and one FP8 grouped GEMM; the logits stay near the dense path's, which does not round
+    activations. "ue8m0": V4's power-of-two weight scales, and so power-of-two activation scales."""
     cfg, params, expected = _v4_fp8_model(scale_fmt)
-    expected["fp8_quant_gemm"] = []
-    if scale_fmt == "ue8m0":
-        expected["fp8_quant_gemm"], expected["fp8_gemm"] = expected["fp8_gemm"], []
+    # a decode step's few rows: the projections quantize them inside the GEMM, with either kind of scale
+    expected["fp8_quant_gemm"], expected["fp8_gemm"] = expected["fp8_gemm"], []
     calls = _record_fp8_kernels(monkeypatch)
 
     b, n = 2, 24
@@ -460,12 +457,14 @@ def _v3_fp8_model():
 
 
 def test_v3_decode_runs_fp8_weights_through_fp8_kernels(monkeypatch):
-    """V3's decode step under kernels="ref": every FP8 projection in DeepGEMM's layout through fp8_gemm (wkv_b,
-    split per head, made dense) and each MoE layer's routed experts through the FP8 gate/up kernel and one FP8
-    grouped GEMM; "off" through neither; the logits near the dense path's."""
+    """V3's decode step under kernels="ref": every FP8 projection in DeepGEMM's layout through fp8_quant_gemm
+    (the step's two rows quantized inside the GEMM; wkv_b, split per head, made dense) and each MoE layer's
+    routed experts through the FP8 gate/up kernel and one FP8 grouped GEMM; "off" through neither; the logits
+    near the dense path's."""
     from djax.models import deepseek_v3 as v3
 
     cfg, params, expected = _v3_fp8_model()
+    expected["fp8_quant_gemm"], expected["fp8_gemm"] = expected["fp8_gemm"], []
     calls = _record_fp8_kernels(monkeypatch)
 
     b, n = 2, 16
