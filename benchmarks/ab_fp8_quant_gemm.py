@@ -10,7 +10,7 @@ and a 128 x 128-block FP8 weight:
   - "quant default": `fp8_quant_gemm` at its default tiles (`fp8_quant_triton.quant_config`);
   - each also with UE8M0 (power-of-two) activation scales, "... ue8m0";
   - at the --sweep-rows counts, `fp8_quant_gemm` (UE8M0) at other tiles: "quant m{BLOCK_M} n{BLOCK_N} s{split}",
-    "... swap" where the dot is taken as b a^T;
+    "... swap" where the dot is taken as b a^T, "... st{stages}" at other than six stages;
   - "bf16 weight": x @ w^T on the bf16 weight (XLA), twice the bytes.
 Each is checked against the two-step jnp reference first (a wrong one is recorded and not timed); then every
 round times each once (device time from a profiler trace), each round starting with the next variant. Input sets
@@ -49,21 +49,33 @@ def two_step(x, v, s, ue8m0=False):
 
 def sweep(m, n, k):
     """(name, QuantConfig) pairs of the kernel's tiles to try at one shape, each at the K split of
-    `fewest_splits` and twice that (where every split keeps two K blocks or more), 6 stages: 16-row tiles of 64
-    and 128 weight rows (64-row and 32-column ones lost by 1.1-1.5x in `fp8_quant_gemm_h100_ab.json`); and the
-    dot swapped (b a^T: an fp8 wgmma whose 64-row side is the weight's), 8-row tiles where m fits and 16-row
-    ones, of 64 and 128 weight rows."""
+    `fewest_splits` and twice that (where every split keeps two K blocks or more): 16-row tiles of 64 and 128
+    weight rows, 6 stages (64-row and 32-column ones lost by 1.1-1.5x in `fp8_quant_gemm_h100_ab.json`); and the
+    dot swapped (b a^T: an fp8 wgmma whose 64-row side is the weight's): up to 8 rows 8- and 16-row tiles of 64
+    and 128 weight rows at 6 stages, above 8 rows 16-row tiles and the tiles that cover m (up to 64 rows) of 128
+    weight rows at 4 and 6 stages (fewer stages: less shared memory, two programs a SM)."""
     base = qk.quant_config(m, n, k)
-    plain = [(16, bn, False) for bn in (64, 128)]
-    swapped = [(bm, bn, True) for bm in sorted({8 if m <= 8 else 16, 16}) for bn in (64, 128)]
+    variants = [(16, bn, False, 6) for bn in (64, 128)]
+    if m <= 8:
+        variants += [(bm, bn, True, 6) for bm in (8, 16) for bn in (64, 128)]
+    else:
+        cover = next(b for b in (16, 32, 64) if b >= min(m, 64))
+        variants += [(bm, 128, True, st) for bm in sorted({16, cover}) for st in (4, 6)]
     out = []
-    for bm, bn, swap in plain + swapped:
+    for bm, bn, swap, stages in variants:
         tiles = -(-m // bm) * (n // bn)
         s = fewest_splits(tiles, k // 128)
         for split in (s, 2 * s):
             if (k // 128) % split == 0 and k // 128 // split >= 2:
-                out.append(replace(base, block_m=bm, block_n=bn, split_k=split, swap_ab=swap))
-    names = [f"quant m{c.block_m} n{c.block_n} s{c.split_k}" + (" swap" if c.swap_ab else "") for c in out]
+                out.append(
+                    replace(base, block_m=bm, block_n=bn, split_k=split, swap_ab=swap, num_stages=stages)
+                )
+    names = [
+        f"quant m{c.block_m} n{c.block_n} s{c.split_k}"
+        + (" swap" if c.swap_ab else "")
+        + (f" st{c.num_stages}" if c.num_stages != 6 else "")
+        for c in out
+    ]
     return [(name, c) for name, c in dict(zip(names, out)).items() if c != base]
 
 

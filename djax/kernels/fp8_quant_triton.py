@@ -12,8 +12,8 @@ rows of K values, a small fraction of the weight bytes each program reads.
 
 The dot's form. Taken as a b^T with 16- and 32-row tiles, Triton runs it as mma.sync on f16 operands (the e4m3
 values converted in registers, exactly); with 64-row tiles as an fp8 wgmma. Swapped (`QuantConfig.swap_ab`:
-b a^T, the result tile transposed back) the weight's rows are the wgmma's 64-row side and a's rows its n8 or
-n16 side, so a few rows run as fp8 wgmma straight from shared memory: the default up to 8 rows.
+b a^T, the result tile transposed back) the weight's rows are the wgmma's 64-row side and a's rows its n8,
+n16 or n32 side, so a few rows run as fp8 wgmma straight from shared memory: the default up to 32 rows.
 
 b: the weight, e4m3 [N, K]; bs: float32 [N / 128, K / 128]; N and K multiples of 128, BLOCK_N dividing 128 (one
 weight scale per program and K block). a [M, K] bf16. In Triton's CPU interpreter a, b and the result are float32
@@ -25,7 +25,7 @@ Scales: with UE8M0 (powers of two) a / scale is a multiplication by the scale's 
 scales an IEEE division. Masked activations (rows past M, blocks past K) load as ones rather than zeros: a
 zero divided by the floor scale takes the division's slow path, and at one row 15 of a 16-row tile's rows
 are masked; on an H100 that made the plain-scale kernel 1.2-1.9x slower than quantizing before the GEMM, and
-with ones it is faster at every V4-Flash projection shape (djax/kernels/NOTES.md).
+with ones it is faster at every V4-Flash projection shape at 1, 8 and 16 rows (djax/kernels/NOTES.md).
 
 Split-K as in `fp8_gemm_triton`: program (tile, s) sums the s-th run of K blocks into the float32 partial
 c[s]; the caller sums c over its first axis.
@@ -46,7 +46,7 @@ ROUNDINGS = ("cast", "bits")
 @dataclass(frozen=True)
 class QuantConfig(Fp8Config):
     """Fp8Config plus swap_ab: the dot taken as b a^T, the weight tile its first operand, so that at a few rows
-    Hopper runs it as an fp8 wgmma whose 64-row side is the weight's rows (n8 or n16 for 8 or 16 rows of a)
+    Hopper runs it as an fp8 wgmma whose 64-row side is the weight's rows (n8, n16, n32 for 8, 16, 32 rows of a)
     instead of mma.sync on f16 operands converted from e4m3 in registers; the result tile is transposed back."""
 
     swap_ab: bool = False
@@ -64,18 +64,27 @@ QUANT_CFG = QuantConfig(block_m=16, block_n=128, block_k=128, num_warps=4, num_s
 # shared memory at six stages, one program a SM where the splits count on two: 8.09 against 6.52 us at 2048 x
 # 4096, one row.
 SWAPPED_CFG = replace(QUANT_CFG, block_m=8, swap_ab=True)
+# From 9 to 32 rows the dot swapped too, on 16- or 32-row tiles at four stages (94 KB at 32 rows: two programs a
+# SM). H100, 2026-12-06 (`fp8_quant_gemm_h100_swap_rows_ab.json`, two rounds, UE8M0): at 16 rows 1-7% faster
+# than QUANT_CFG's 16-row tiles (16.80 against 18.01 us at 4096 x 8192); at 32 rows 1.12-1.61x faster than the
+# two steps (15.89 against 19.19 us at 32768 x 1024), where QUANT_CFG's 32-row tiles lost at three shapes (22.53
+# against 19.19). Six stages there: 8.94 against 7.11 us at 2048 x 4096, 16 rows. The defaults again in the next
+# call (`_swap_defaults_ab.json`): 1.18-1.76x faster than the two steps at 16 rows, 1.14-1.62x at 32.
+SWAPPED_WIDE_CFG = replace(QUANT_CFG, num_stages=4, swap_ab=True)
 SWAPPED_MAX_ROWS = 8
 SPLITS = (1, 2, 4, 8, 16)
 
 
 def quant_config(m: int, n: int, k: int) -> QuantConfig:
-    """The kernel's tiles when none are given: SWAPPED_CFG up to SWAPPED_MAX_ROWS rows, else QUANT_CFG with its
-    block_m raised to cover m (16, 32, then 64-row tiles); K split the fewest ways of SPLITS that make 256
+    """The kernel's tiles when none are given: SWAPPED_CFG up to SWAPPED_MAX_ROWS rows, SWAPPED_WIDE_CFG on 16-
+    or 32-row tiles up to 32, else QUANT_CFG's on 64-row tiles; K split the fewest ways of SPLITS that make 256
     programs (each split two K blocks or more), else the most."""
     if m <= SWAPPED_MAX_ROWS:
         base = SWAPPED_CFG
+    elif m <= 32:
+        base = replace(SWAPPED_WIDE_CFG, block_m=16 if m <= 16 else 32)
     else:
-        base = replace(QUANT_CFG, block_m=next((b for b in (16, 32) if m <= b), 64))
+        base = replace(QUANT_CFG, block_m=64)
     tiles = -(-m // base.block_m) * -(-n // base.block_n)
     return replace(base, split_k=fewest_splits(tiles, k // 128, SPLITS))
 

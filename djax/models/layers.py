@@ -88,16 +88,16 @@ def takes_fp8_grouped(w) -> bool:
 # dequantisation into its own GEMM cheaply.
 FP8_WEIGHT_MAX_ROWS = 128
 # Rows up to which a `takes_fp8_gemm` weight runs as `fp8_quant_gemm`, the activations quantized inside the
-# GEMM, instead of `quantize_act` then `fp8_gemm`. H100, 2026-12-06, device time, V4-Flash's six projection
-# shapes: at 1 and 8 rows 1.2-1.8x faster than the two steps with UE8M0 scales (14.0 against 17.7 us at 32768 x
-# 1024, 4.4 against 7.8 at 512 x 4096) and 1.1-1.4x with plain ones (16-row tiles;
-# `fp8_quant_gemm_h100_swap_ab.json`); at 16 rows, with the kernel's first tiles, faster at five shapes and tied
-# at the sixth (`fp8_quant_gemm_h100_ab.json`); at 32 rows, first tiles too, 4-11% slower at 32768 x 1024 and
-# 4096 x 8192 (`fp8_quant_gemm_h100_plain_scales_ab.json`). The decode step at batch 1: with UE8M0 scales
-# 1.49-1.54 ms against 1.66, 26 fewer kernels, the GPU's busy time unchanged
-# (`launches_h100_quant_gemm_ab.json`); with plain ones the GPU's busy time the same to 0.3%, 26 fewer kernels
-# (`launches_h100_quant_gemm_plain_ab.json`).
-FP8_QUANT_GEMM_MAX_ROWS = 16
+# GEMM, instead of `quantize_act` then `fp8_gemm`: 32 with UE8M0 scales (V4's), 16 with plain ones. H100,
+# 2026-12-06, device time, V4-Flash's six projection shapes, the kernel's default tiles
+# (`fp8_quant_gemm_h100_swap_ab.json`, `_swap_defaults_ab.json`): UE8M0, at 1, 8, 16 and 32 rows 1.14-1.76x
+# faster than the two steps (15.92 against 18.98 us at 32768 x 1024, 32 rows); plain, 1.09-1.48x at 1, 8 and
+# 16 rows, but at 32 rows 7% and 10% slower at 32768 x 1024 and 4096 x 8192 (each row's IEEE divisions).
+# The decode step at batch 1: with UE8M0 scales 1.49-1.54 ms against 1.66, 26 fewer kernels, the GPU's busy
+# time unchanged (`launches_h100_quant_gemm_ab.json`); with plain ones the GPU's busy time the same to 0.3%,
+# 26 fewer kernels (`launches_h100_quant_gemm_plain_ab.json`).
+FP8_QUANT_GEMM_MAX_ROWS = 32
+FP8_QUANT_GEMM_MAX_ROWS_PLAIN = 16
 
 
 def fp8_weight_readable(w) -> bool:
@@ -127,8 +127,8 @@ def linear(x: jax.Array, w: jax.Array, fp8: str | None = None) -> jax.Array:
     With `fp8` (an impl of `djax.kernels.fp8_gemm`) and a weight `takes_fp8_gemm` accepts, the product runs
     as DeepSeek's inference runs it: x quantized to e4m3 per row and 128 columns (dynamic 1x128 scales,
     powers of two where the weight's scales are UE8M0, `has_ue8m0_scales`), then the block-scaled FP8
-    GEMM, which reads the narrow weight as stored; up to FP8_QUANT_GEMM_MAX_ROWS rows both in one kernel
-    (`fp8_quant_gemm`). A weight `takes_fp8_weight_gemm` accepts (V4.1's 32 x 32
+    GEMM, which reads the narrow weight as stored; up to FP8_QUANT_GEMM_MAX_ROWS rows (UE8M0 scales) or
+    FP8_QUANT_GEMM_MAX_ROWS_PLAIN (plain) both in one kernel (`fp8_quant_gemm`). A weight `takes_fp8_weight_gemm` accepts (V4.1's 32 x 32
     blocks) is read as stored by `fp8_weight_gemm` for up to FP8_WEIGHT_MAX_ROWS rows, x as it is: the
     dense path's product without the dense copy. Otherwise, and for fp8 None, the weight is made dense in
     x's dtype first."""
@@ -140,7 +140,8 @@ def linear(x: jax.Array, w: jax.Array, fp8: str | None = None) -> jax.Array:
     # partitioned by rows: under a batch-split mesh each device runs the GEMM on its own rows
     if takes_fp8_gemm(w):
         ue8m0, scale = has_ue8m0_scales(w), w.scale.astype(jnp.float32)
-        if rows.shape[0] <= FP8_QUANT_GEMM_MAX_ROWS:  # quantized inside the GEMM
+        limit = FP8_QUANT_GEMM_MAX_ROWS if ue8m0 else FP8_QUANT_GEMM_MAX_ROWS_PLAIN
+        if rows.shape[0] <= limit:  # quantized inside the GEMM
             y = partition.fp8_quant_gemm(fp8)(rows, w.values, scale, ue8m0)
         else:
             from djax.kernels.fp8_gemm_ref import quantize_act

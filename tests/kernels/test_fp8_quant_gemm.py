@@ -20,6 +20,7 @@ from djax.kernels.fp8_gemm_ref import quantize_act
 from djax.kernels.fp8_quant_triton import (
     QUANT_CFG,
     SWAPPED_CFG,
+    SWAPPED_WIDE_CFG,
     Fp8Config,
     QuantConfig,
     _round_e4m3,
@@ -29,6 +30,8 @@ from djax.quant import pow2_ceil, quantize
 
 SMALL = Fp8Config(block_m=16, block_n=32, block_k=128, num_warps=4, num_stages=1)
 SMALL_SWAPPED = QuantConfig(block_m=16, block_n=32, block_k=128, num_warps=4, num_stages=1, swap_ab=True)
+# swapped with 128 weight rows: on a GPU an fp8 wgmma (m64n8k32), as the defaults up to 32 rows
+WGMMA_SWAPPED = QuantConfig(block_m=8, block_n=128, block_k=128, num_warps=4, num_stages=1, swap_ab=True)
 
 
 def _weight(rng, n, k):
@@ -83,6 +86,12 @@ def test_reference_matches_numpy(ue8m0):
         (5, 256, 384, SMALL_SWAPPED),  # the dot as b a^T, the result transposed back
         (3, 128, 640, QuantConfig(16, 128, 128, 4, 1, split_k=3, swap_ab=True)),
         (7, 256, 512, QuantConfig(8, 64, 128, 4, 1, split_k=2, swap_ab=True)),  # 8-row tiles
+        (
+            12,
+            128,
+            384,
+            QuantConfig(8, 64, 128, 4, 1, split_k=4, swap_ab=True),
+        ),  # two row tiles, an empty split
     ],
 )
 @pytest.mark.parametrize("ue8m0", [False, True])
@@ -191,18 +200,20 @@ def test_refusals_name_the_problem():
 
 
 def test_quant_config_covers_the_rows_and_splits_k():
-    """Up to 8 rows the swapped dot on 8-row tiles; then row tiles of 16 up to 16 rows, of 32 up to 32, of 64
-    above; K split the fewest ways that make 256 programs, at most 16 and keeping two K blocks a split."""
-    assert SWAPPED_CFG.swap_ab and SWAPPED_CFG.block_m == 8 and not QUANT_CFG.swap_ab
+    """The swapped dot up to 32 rows: 8-row tiles at six stages up to 8 rows, 16- and 32-row tiles at four up to
+    16 and 32; above, QUANT_CFG's 64-row tiles; K split the fewest ways that make 256 programs, at most 16 and
+    keeping two K blocks a split."""
+    assert SWAPPED_CFG.swap_ab and SWAPPED_CFG.block_m == 8 and SWAPPED_CFG.num_stages == 6
+    assert SWAPPED_WIDE_CFG.swap_ab and SWAPPED_WIDE_CFG.num_stages == 4 and not QUANT_CFG.swap_ab
     assert quant_config(1, 2048, 4096) == replace(SWAPPED_CFG, split_k=16)  # 16 tiles, 32 K blocks
     assert quant_config(8, 512, 4096) == replace(SWAPPED_CFG, split_k=16)  # 4 tiles: the most splits
     assert quant_config(1, 4096, 2048) == replace(SWAPPED_CFG, split_k=8)  # 32 tiles
     assert quant_config(1, 32768, 1024) == replace(SWAPPED_CFG, split_k=1)  # 256 tiles
     assert quant_config(1, 128, 256) == replace(SWAPPED_CFG, split_k=1)  # two K blocks: no split
-    assert quant_config(9, 2048, 4096) == replace(QUANT_CFG, split_k=16)
-    assert quant_config(16, 32768, 1024) == replace(QUANT_CFG, split_k=1)
-    assert quant_config(17, 2048, 4096).block_m == 32
-    assert quant_config(64, 2048, 4096).block_m == 64
+    assert quant_config(9, 2048, 4096) == replace(SWAPPED_WIDE_CFG, block_m=16, split_k=16)
+    assert quant_config(16, 32768, 1024) == replace(SWAPPED_WIDE_CFG, block_m=16, split_k=1)
+    assert quant_config(17, 4096, 8192) == replace(SWAPPED_WIDE_CFG, block_m=32, split_k=8)
+    assert quant_config(33, 2048, 4096) == replace(QUANT_CFG, block_m=64, split_k=16)
     assert quant_config(300, 2048, 4096).block_m == 64  # five row tiles
 
 
@@ -248,14 +259,15 @@ def test_under_jit_matches_numpy():
 
 
 @pytest.mark.gpu
-@pytest.mark.parametrize("m", [1, 7, 32, 64])
+@pytest.mark.parametrize("m", [1, 7, 16, 32, 64])
 @pytest.mark.parametrize("ue8m0", [False, True])
 def test_triton_on_the_gpu_matches_reference(m, ue8m0):
-    """bf16 activations against a 2048 x 4096 weight at the shape's default tiles: the same quantized operands,
-    their products summed in another order (in float32; fp8 wgmma at 64 rows accumulates more coarsely), then
-    rounded to bf16. Every 128-column block weighs within 4x of the others, so a K block lost or counted
-    twice moves the result by far more than the 2^-10 allowed (on an H100 the kernel's error against the
-    reference was at most 6.3e-5 at 16-row tiles, 7.6e-4 for 64-row wgmma tiles)."""
+    """bf16 activations against a 2048 x 4096 weight at the shape's default tiles (the swapped dot up to 32
+    rows): the same quantized operands, their products summed in another order (in float32; the fp8 wgmmas of
+    16 rows or more land further from the reference), then rounded to bf16. Every 128-column block weighs
+    within 4x of the others, so a K block lost or counted twice moves the result by far more than the 2^-10
+    allowed (on an H100 the kernel's error against the reference was at most 6.3e-5 with 8-row swapped tiles,
+    6.5-7.1e-4 with 16- and 32-row swapped tiles, 7.6e-4 with 64-row wgmma tiles)."""
     rng = np.random.default_rng(m)
     a, w = _acts(rng, m, 4096, jnp.bfloat16, spread=(0.5, 2.0)), _weight(rng, 2048, 4096)
     want = fp8_quant_gemm(a, w.values, w.scale, ue8m0, impl="ref")
@@ -279,7 +291,7 @@ def test_swapped_dot_on_the_gpu_matches_reference(m, block_m, block_n, ue8m0):
 
 
 @pytest.mark.gpu
-@pytest.mark.parametrize("cfg", [SMALL, SMALL_SWAPPED])
+@pytest.mark.parametrize("cfg", [SMALL, SMALL_SWAPPED, WGMMA_SWAPPED])
 @pytest.mark.parametrize("ue8m0", [False, True])
 def test_gpu_kernel_quantizes_exactly_as_quantize_act(ue8m0, cfg):
     """On the GPU too (Triton's fp8 conversion and IEEE division against XLA's): against the identity the
