@@ -25,7 +25,8 @@ Scales: with UE8M0 (powers of two) a / scale is a multiplication by the scale's 
 scales an IEEE division. Masked activations (rows past M, blocks past K) load as ones rather than zeros: a
 zero divided by the floor scale takes the division's slow path, and at one row 15 of a 16-row tile's rows
 are masked; on an H100 that made the plain-scale kernel 1.2-1.9x slower than quantizing before the GEMM, and
-with ones it is faster at every V4-Flash projection shape at 1, 8 and 16 rows (djax/kernels/NOTES.md).
+with ones it is faster at every V4-Flash projection shape at 1, 8 and 16 rows (at 1 and 8 rows timed on
+unswapped 16-row tiles; djax/kernels/NOTES.md).
 
 Split-K as in `fp8_gemm_triton`: program (tile, s) sums the s-th run of K blocks into the float32 partial
 c[s]; the caller sums c over its first axis.
@@ -52,36 +53,38 @@ class QuantConfig(Fp8Config):
     swap_ab: bool = False
 
 
-# 16-row tiles (mma.sync) of 128 weight rows, six stages; K split until about two programs a SM. H100, 2026-12-06
-# (`fp8_quant_gemm_h100_ab.json`, one row, UE8M0 scales, device time, V4-Flash's six projection shapes): 128
-# weight rows a program were the fastest of 32, 64 and 128 or within 4% of it (14.8 against 17.4 us for 64 at
-# 32768 x 1024); the best 64-row (wgmma) tiles were 1.14-1.49x slower than the best 16-row ones (they quantize
-# 64 rows); splits up to 16 paid where the output has few tiles (5.3 against 6.2 us at 1024 x 4096).
+# Unswapped tiles of 128 weight rows, six stages; K split until about two programs a SM. The default above 32 rows
+# (64-row fp8 wgmma tiles); its 16-row (mma.sync) form was the default up to 16 rows before the swapped dot. H100,
+# 2026-12-06 (`fp8_quant_gemm_h100_ab.json`, one row, UE8M0 scales, device time, V4-Flash's six projection
+# shapes): 128 weight rows a program were the fastest of 32, 64 and 128 or within 4% of it (14.8 against 17.4 us
+# for 64 at 32768 x 1024); the best 64-row (wgmma) tiles were 1.14-1.49x slower than the best 16-row ones (they
+# quantize 64 rows); splits up to 16 paid where the output has few tiles (5.3 against 6.2 us at 1024 x 4096).
 QUANT_CFG = QuantConfig(block_m=16, block_n=128, block_k=128, num_warps=4, num_stages=6)
-# Up to 8 rows the dot swapped, 8-row tiles, else as QUANT_CFG. H100, 2026-12-06 (two rounds, the same six shapes,
-# `fp8_quant_gemm_h100_swap_ab.json`): at one row 3-6% faster than QUANT_CFG at every shape (13.98 against 14.82
-# us at 32768 x 1024, 4.44 against 4.72 at 512 x 4096), at 8 rows 1.5-9%. Swapped 16-row tiles need 120 KB of
-# shared memory at six stages, one program a SM where the splits count on two: 8.09 against 6.52 us at 2048 x
-# 4096, one row.
+# Up to 8 rows the dot swapped on 8-row tiles. H100, 2026-12-06 (two rounds, the same six shapes,
+# `fp8_quant_gemm_h100_swap_ab.json`): at one row 3-6% faster than QUANT_CFG's 16-row tiles at every shape (13.98
+# against 14.82 us at 32768 x 1024, 4.44 against 4.72 at 512 x 4096), at 8 rows 1.5-9%. Swapped 16-row tiles need
+# 120 KB of shared memory at six stages, one program a SM where the splits count on two: 8.09 against 6.52 us at
+# 2048 x 4096, one row.
 SWAPPED_CFG = replace(QUANT_CFG, block_m=8, swap_ab=True)
-# From 9 to 32 rows the dot swapped too, on 16- or 32-row tiles at four stages (94 KB at 32 rows: two programs a
-# SM). H100, 2026-12-06 (`fp8_quant_gemm_h100_swap_rows_ab.json`, two rounds, UE8M0): at 16 rows 1-7% faster
-# than QUANT_CFG's 16-row tiles (16.80 against 18.01 us at 4096 x 8192); at 32 rows 1.12-1.61x faster than the
-# two steps (15.89 against 19.19 us at 32768 x 1024), where QUANT_CFG's 32-row tiles lost at three shapes (22.53
-# against 19.19). Six stages there: 8.94 against 7.11 us at 2048 x 4096, 16 rows. The defaults again in the next
-# call (`_swap_defaults_ab.json`): 1.18-1.76x faster than the two steps at 16 rows, 1.14-1.62x at 32.
+# From 9 to 32 rows the dot swapped too, on 16- or 32-row tiles at four stages (94 KB at 32 rows as compiled for
+# sm_90: two programs a SM). H100, 2026-12-06 (`fp8_quant_gemm_h100_swap_rows_ab.json`, two rounds, UE8M0): at 16
+# rows 1-7% faster than QUANT_CFG's 16-row tiles (16.80 against 18.01 us at 4096 x 8192); at 32 rows 1.12-1.61x
+# faster than the two steps (15.89 against 19.19 us at 32768 x 1024), where QUANT_CFG's 32-row tiles lost at three
+# shapes (22.53 against 19.19). Six stages there: 8.94 against 7.11 us at 2048 x 4096, 16 rows. The defaults again
+# in the next call (`_swap_defaults_ab.json`): 1.18-1.76x faster than the two steps at 16 rows, 1.14-1.62x at 32.
+# Rows between those counts (partial tiles) were not timed.
 SWAPPED_WIDE_CFG = replace(QUANT_CFG, num_stages=4, swap_ab=True)
-SWAPPED_MAX_ROWS = 8
+SWAPPED_MAX_ROWS = 32  # the dot swapped up to here: 8-row tiles up to 8 rows, then 16- and 32-row ones
 SPLITS = (1, 2, 4, 8, 16)
 
 
 def quant_config(m: int, n: int, k: int) -> QuantConfig:
-    """The kernel's tiles when none are given: SWAPPED_CFG up to SWAPPED_MAX_ROWS rows, SWAPPED_WIDE_CFG on 16-
-    or 32-row tiles up to 32, else QUANT_CFG's on 64-row tiles; K split the fewest ways of SPLITS that make 256
+    """The kernel's tiles when none are given: SWAPPED_CFG up to 8 rows, SWAPPED_WIDE_CFG on 16- or 32-row tiles
+    up to SWAPPED_MAX_ROWS, else QUANT_CFG's on 64-row tiles; K split the fewest ways of SPLITS that make 256
     programs (each split two K blocks or more), else the most."""
-    if m <= SWAPPED_MAX_ROWS:
+    if m <= SWAPPED_CFG.block_m:
         base = SWAPPED_CFG
-    elif m <= 32:
+    elif m <= SWAPPED_MAX_ROWS:
         base = replace(SWAPPED_WIDE_CFG, block_m=16 if m <= 16 else 32)
     else:
         base = replace(QUANT_CFG, block_m=64)

@@ -30,8 +30,9 @@ from djax.quant import pow2_ceil, quantize
 
 SMALL = Fp8Config(block_m=16, block_n=32, block_k=128, num_warps=4, num_stages=1)
 SMALL_SWAPPED = QuantConfig(block_m=16, block_n=32, block_k=128, num_warps=4, num_stages=1, swap_ab=True)
-# swapped with 128 weight rows: on a GPU an fp8 wgmma (m64n8k32), as the defaults up to 32 rows
+# swapped with 128 weight rows: on a GPU fp8 wgmmas, m64n8k32 and m64n16k32 (the defaults' dots up to 16 rows)
 WGMMA_SWAPPED = QuantConfig(block_m=8, block_n=128, block_k=128, num_warps=4, num_stages=1, swap_ab=True)
+WGMMA_SWAPPED_16 = replace(WGMMA_SWAPPED, block_m=16)
 
 
 def _weight(rng, n, k):
@@ -213,6 +214,7 @@ def test_quant_config_covers_the_rows_and_splits_k():
     assert quant_config(9, 2048, 4096) == replace(SWAPPED_WIDE_CFG, block_m=16, split_k=16)
     assert quant_config(16, 32768, 1024) == replace(SWAPPED_WIDE_CFG, block_m=16, split_k=1)
     assert quant_config(17, 4096, 8192) == replace(SWAPPED_WIDE_CFG, block_m=32, split_k=8)
+    assert quant_config(32, 4096, 8192) == replace(SWAPPED_WIDE_CFG, block_m=32, split_k=8)
     assert quant_config(33, 2048, 4096) == replace(QUANT_CFG, block_m=64, split_k=16)
     assert quant_config(300, 2048, 4096).block_m == 64  # five row tiles
 
@@ -259,15 +261,16 @@ def test_under_jit_matches_numpy():
 
 
 @pytest.mark.gpu
-@pytest.mark.parametrize("m", [1, 7, 16, 32, 64])
+@pytest.mark.parametrize("m", [1, 7, 12, 16, 24, 32, 64])
 @pytest.mark.parametrize("ue8m0", [False, True])
 def test_triton_on_the_gpu_matches_reference(m, ue8m0):
     """bf16 activations against a 2048 x 4096 weight at the shape's default tiles (the swapped dot up to 32
-    rows): the same quantized operands, their products summed in another order (in float32; the fp8 wgmmas of
-    16 rows or more land further from the reference), then rounded to bf16. Every 128-column block weighs
-    within 4x of the others, so a K block lost or counted twice moves the result by far more than the 2^-10
-    allowed (on an H100 the kernel's error against the reference was at most 6.3e-5 with 8-row swapped tiles,
-    6.5-7.1e-4 with 16- and 32-row swapped tiles, 7.6e-4 with 64-row wgmma tiles)."""
+    rows; 12 and 24 rows fill part of a 16- and a 32-row tile): the same quantized operands, their products
+    summed in another order (in float32; the fp8 wgmmas of 16 rows or more land further from the reference),
+    then rounded to bf16. Every 128-column block weighs within 4x of the others, so a K block lost or counted
+    twice moves the result by far more than the 2^-10 allowed (on an H100 the kernel's error against the
+    reference was at most 6.3e-5 with 8-row swapped tiles, 6.5-7.3e-4 with 16- and 32-row swapped tiles,
+    7.6e-4 with 64-row wgmma tiles)."""
     rng = np.random.default_rng(m)
     a, w = _acts(rng, m, 4096, jnp.bfloat16, spread=(0.5, 2.0)), _weight(rng, 2048, 4096)
     want = fp8_quant_gemm(a, w.values, w.scale, ue8m0, impl="ref")
@@ -277,10 +280,11 @@ def test_triton_on_the_gpu_matches_reference(m, ue8m0):
 
 
 @pytest.mark.gpu
-@pytest.mark.parametrize("m, block_m, block_n", [(1, 8, 128), (7, 8, 64), (16, 16, 128)])
+@pytest.mark.parametrize("m, block_m, block_n", [(1, 16, 128), (7, 8, 64), (24, 16, 128)])
 @pytest.mark.parametrize("ue8m0", [False, True])
 def test_swapped_dot_on_the_gpu_matches_reference(m, block_m, block_n, ue8m0):
-    """The dot taken as b a^T (an fp8 wgmma with the weight rows as its 64-row side, n8 or n16), as above."""
+    """The dot taken as b a^T (an fp8 wgmma with the weight rows as its 64-row side, n8 or n16) at tiles the
+    defaults do not take (a 16-row tile for one row, 64 weight rows, 24 rows in two 16-row tiles), as above."""
     rng = np.random.default_rng(100 + m)
     a, w = _acts(rng, m, 4096, jnp.bfloat16, spread=(0.5, 2.0)), _weight(rng, 2048, 4096)
     cfg = replace(quant_config(m, 2048, 4096), block_m=block_m, block_n=block_n, swap_ab=True)
@@ -291,7 +295,7 @@ def test_swapped_dot_on_the_gpu_matches_reference(m, block_m, block_n, ue8m0):
 
 
 @pytest.mark.gpu
-@pytest.mark.parametrize("cfg", [SMALL, SMALL_SWAPPED, WGMMA_SWAPPED])
+@pytest.mark.parametrize("cfg", [SMALL, SMALL_SWAPPED, WGMMA_SWAPPED, WGMMA_SWAPPED_16])
 @pytest.mark.parametrize("ue8m0", [False, True])
 def test_gpu_kernel_quantizes_exactly_as_quantize_act(ue8m0, cfg):
     """On the GPU too (Triton's fp8 conversion and IEEE division against XLA's): against the identity the
