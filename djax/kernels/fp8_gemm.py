@@ -128,8 +128,8 @@ def fp8_quant_gemm(
 
     impl "triton", "interpret" (that kernel in Triton's CPU interpreter, float32 stand-ins), "ref" (the
     two-step jnp reference), or "auto" (Triton on CUDA). cfg: an `Fp8Config` or `fp8_quant_triton.QuantConfig`
-    (its `swap_ab`: the dot taken as b a^T; None: `fp8_quant_triton.quant_config`); rounding: how the kernel rounds a / scale to e4m3 ("cast" or "bits";
-    None: "cast" compiled, "bits" interpreted)."""
+    (its `swap_ab`: the dot taken as b a^T; None: `fp8_quant_triton.quant_config`); rounding: how the kernel
+    rounds a / scale to e4m3 ("cast" or "bits"; None: "cast" compiled, "bits" interpreted)."""
     from djax.kernels import fp8_quant_triton as qk
 
     shapes.fp8_quant(a, b, b_scale)

@@ -148,8 +148,12 @@ def fp8_gemm_kernel(
 
 
 def split_k(cfg: GemmConfig) -> int:
-    """cfg.split_k for an Fp8Config, 1 for a plain GemmConfig."""
-    return getattr(cfg, "split_k", 1)
+    """cfg.split_k for an Fp8Config, 1 for a plain GemmConfig; refuses a count under 1 (every kernel that splits
+    K reads it here)."""
+    s = getattr(cfg, "split_k", 1)
+    if s < 1:
+        raise ValueError(f"split_k {s} must be >= 1")
+    return s
 
 
 def grid(m: int, n: int, cfg: GemmConfig) -> tuple[int, int]:
@@ -165,8 +169,6 @@ def constexprs(m: int, n: int, k: int, mg: int, mode: str, cfg: GemmConfig) -> d
         raise ValueError(f"masked rows per group {mg} must be a multiple of BLOCK_M {cfg.block_m}")
     if mode == "contiguous" and m % cfg.block_m:
         raise ValueError(f"contiguous rows {m} must be a multiple of BLOCK_M {cfg.block_m}")
-    if split_k(cfg) < 1:
-        raise ValueError(f"split_k {split_k(cfg)} must be >= 1")
     return dict(
         M=m,
         N=n,

@@ -144,8 +144,6 @@ def constexprs(
         raise ValueError(
             f"the weight's scale block {block} must have its K side dividing BLOCK_K {cfg.block_k}"
         )
-    if split_k(cfg) < 1:
-        raise ValueError(f"split_k {split_k(cfg)} must be >= 1")
     return dict(
         G=groups,
         M=m,

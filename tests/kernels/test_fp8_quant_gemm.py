@@ -196,6 +196,8 @@ def test_refusals_name_the_problem():
         fp8_quant_gemm(a, w.values, w.scale, impl="interpret", rounding="ptx")
     with pytest.raises(ValueError, match="BLOCK_N 96 must divide 128"):
         fp8_quant_gemm(a, w.values, w.scale, impl="interpret", cfg=replace(SMALL, block_n=96))
+    with pytest.raises(ValueError, match="split_k 0 must be >= 1"):
+        fp8_quant_gemm(a, w.values, w.scale, impl="interpret", cfg=replace(SMALL, split_k=0))
     with pytest.raises(ValueError, match="impl must be 'auto' or one of"):
         fp8_quant_gemm(a, w.values, w.scale, impl="tilelang")
 
