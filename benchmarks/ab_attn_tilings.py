@@ -1,8 +1,10 @@
-"""Sparse decode attention tilings (TileLang's, and the register-operand CUDA kernel "rs") side by side, in
-alternating rounds, so that drift within a run shows.
+"""Sparse decode attention tilings (TileLang's, the register-operand CUDA kernel "rs", and Triton's) side by
+side, in alternating rounds, so that drift within a run shows.
 
 python benchmarks/ab_attn_tilings.py [--batches 64] [--variants pair3,pair4_pie] [--rounds 5] [--out DIR]
-(CUDA GPU, tilelang importable; `--build` lowers and compiles only, no GPU needed; `--plot JSON` draws only.)
+(CUDA GPU, tilelang importable for its variants; `--build` lowers and compiles only, no GPU needed; `--plot
+JSON` draws only.) A Triton variant is named by its arguments: `tr16x32w4s2n8` is block_h 16, block_s 32, 4
+warps, 2 stages, 8 splits.
 Per batch size, at `bench_kernels.py`'s shape (64 heads x 512, ring of 128, top 512 of 2,048 pool rows): "auto"
 (the default tiling) and every chosen variant of `VARIANTS`, each checked against the reference first (a wrong
 one is recorded and not timed), then `--rounds` rounds each timing every variant once, each round starting
@@ -15,6 +17,7 @@ after every round; `--plot JSON` only draws an earlier run's PNG beside it.
 import argparse
 import functools
 import os
+import re
 import sys
 import time
 
@@ -51,6 +54,20 @@ VARIANTS = {  # name -> sparse_decode's tiling arguments (on top of WS)
 }
 
 
+def variant(name: str) -> dict:
+    """sparse_decode's arguments for a variant name: one of `VARIANTS` (TileLang's on top of WS), or a Triton
+    tiling spelled out as tr{block_h}x{block_s}w{warps}s{stages}n{splits}."""
+    if name in VARIANTS:
+        return {**WS, **VARIANTS[name]}
+    m = re.fullmatch(r"tr(\d+)x(\d+)w(\d+)s(\d+)n(\d+)", name)
+    if m is None:
+        raise ValueError(
+            f"unknown variant {name!r}: one of {', '.join(VARIANTS)} or tr<bh>x<bs>w<warps>s<stages>n<splits>"
+        )
+    bh, bs, nw, st, ns = map(int, m.groups())
+    return dict(impl="triton", block_h=bh, block_s=bs, num_warps=nw, num_stages=st, nsplit=ns)
+
+
 def plot(result: dict, path: str) -> None:
     """Per batch size, each variant's rounds as a fraction of the run's copy bandwidth (red: the 70% target)."""
     from ab_plot import plot_rounds
@@ -75,13 +92,15 @@ def main():
     if args is None:
         return
     batches = [int(b) for b in args.batches.split(",")]
-    chosen = {name: {**WS, **VARIANTS[name]} for name in args.variants.split(",")}
+    chosen = {name: variant(name) for name in args.variants.split(",") if name}
     if args.build:
         from djax.kernels.sparse_attn import tilelang_tiling
         from djax.kernels.sparse_attn_tilelang import cuda_kernel
 
         for b in batches:
             for name, kw in chosen.items():
+                if kw["impl"] == "triton":
+                    continue  # compiled on first use
                 if kw["impl"] == "rs":
                     from djax.kernels.sparse_attn_rs import cuda_kernel as rs_kernel
 

@@ -1,6 +1,6 @@
-"""The side-by-side scripts' shared parts (benchmarks/ab_plot.py) and the grouped one's layouts
-(benchmarks/ab_fp8_grouped.py), on the CPU: the order of a round's timings, --plot, the rows checked and the
-variants timed."""
+"""The side-by-side scripts' shared parts (benchmarks/ab_plot.py), the grouped one's layouts
+(benchmarks/ab_fp8_grouped.py) and the attention one's variant names, on the CPU: the order of a round's
+timings, --plot, the rows checked and the variants timed."""
 
 import json
 import sys
@@ -96,6 +96,22 @@ def test_fp4_tilings_parse_and_plot(tmp_path, monkeypatch):
     ab_fp4_tilings.main()
     pytest.importorskip("matplotlib")
     assert (tmp_path / "run.png").stat().st_size > 0
+
+
+def test_attn_variants_name_triton_tilings_and_tilelang_ones():
+    """ab_attn_tilings' variant names: a Triton tiling spelled out becomes sparse_decode's Triton arguments, a
+    named TileLang variant its arguments on top of the shared ones, anything else a clear error."""
+    import ab_attn_tilings
+
+    assert ab_attn_tilings.variant("tr16x32w4s2n8") == dict(
+        impl="triton", block_h=16, block_s=32, num_warps=4, num_stages=2, nsplit=8
+    )
+    assert ab_attn_tilings.variant("tr64x64w8s3n1")["block_h"] == 64
+    pair = ab_attn_tilings.variant("pair3")
+    assert pair["impl"] == "tilelang" and pair["dim_pair"] and pair["num_stages"] == 3
+    for bad in ("tr16x32w4s2", "triton", "pair9"):
+        with pytest.raises(ValueError, match="unknown variant"):
+            ab_attn_tilings.variant(bad)
 
 
 def test_fp8_quant_gemm_sweep_and_run(tmp_path, monkeypatch):

@@ -35,6 +35,24 @@ def test_sparse_decode_triton_matches_ref(block_h, block_s, warps, nsplit):
     assert np.all(np.asarray(fast[-1], np.float32) == 0)
 
 
+@pytest.mark.parametrize("b, heads, splits", [(2, 16, 20), (9, 16, 7), (40, 64, 3), (140, 64, 1)])
+def test_sparse_decode_triton_default_tiling_matches_ref(b, heads, splits):
+    """No tiling arguments: `triton_tiling`'s for the shape (16 heads a program with 20 splits of one 32-key
+    block, or 7 whose last has two blocks; 64 heads with 3 splits of 4, 4 and 2 64-key blocks, or none), the
+    last row with nothing to attend."""
+    from djax.kernels.sparse_attn import triton_tiling
+
+    kw = triton_tiling(b, 64, 128, 512)
+    assert (kw["block_h"], kw["nsplit"]) == (heads, splits)
+    args = sparse_decode_inputs(b, b, 64, 512, 128, 1000, 512)
+    scale = 512**-0.5
+    fast = jax.jit(lambda *a: sparse_decode(*a, scale=scale, impl="triton"))(*args)
+    ref = sparse_decode_ref(*[a.astype(jnp.float32) if a.dtype == BF16 else a for a in args], scale)
+    assert fast.dtype == BF16
+    assert_close(fast.astype(jnp.float32), ref, 1e-2)
+    assert np.all(np.asarray(fast[-1], np.float32) == 0)
+
+
 def test_index_scores_triton_matches_ref():
     rng = np.random.default_rng(1)
     b, h, c, s = 4, 64, 128, 3001

@@ -175,6 +175,56 @@ def test_auto_on_cuda_hands_the_default_tiling_to_tilelang(monkeypatch):
     assert sparse_decode(*bf16_inputs(32), scale=0.3).shape == (64, 32, 512) and len(used) == 1
 
 
+@pytest.mark.parametrize(
+    "b, heads, splits",
+    [
+        (1, 16, 20),
+        (2, 16, 20),
+        (4, 16, 10),
+        (8, 16, 7),
+        (16, 16, 4),
+        (31, 16, 2),
+        (32, 64, 4),
+        (64, 64, 2),
+        (128, 64, 1),
+    ],
+)
+def test_triton_tiling_spreads_the_rows_with_whole_key_blocks(b, heads, splits):
+    """The default tiling at 64 heads: 16 heads a program below 32 rows, with splits up to about two programs
+    per SM (132); all 64 from 32 rows, up to about one; whole key blocks a split, none empty."""
+    from djax.kernels.sparse_attn import triton_tiling
+
+    w, t = 128, 512
+    kw = triton_tiling(b, 64, w, t)
+    assert (kw["block_h"], kw["nsplit"]) == (heads, splits)
+    assert (kw["block_s"], kw["num_warps"]) == ((64, 8) if heads == 64 else (32, 4))
+    blocks = -(-(w + t) // kw["block_s"])
+    per_split = -(-blocks // kw["nsplit"])
+    assert (kw["nsplit"] - 1) * per_split < blocks <= kw["nsplit"] * per_split  # the last split has keys
+    assert kw["nsplit"] * b * (64 // heads) <= (2 if heads == 16 else 1) * 132 * 1.5
+    # heads that are no multiple of 64 keep 16 a program (or all of them, under 16 or not a multiple of 16)
+    assert triton_tiling(b, 48, w, t)["block_h"] == 16 and triton_tiling(b, 24, w, t)["block_h"] == 24
+
+
+def test_triton_defaults_fill_only_what_is_not_given(monkeypatch):
+    """impl="triton" hands `_triton` `triton_tiling`'s arguments for the shape, the caller's where given."""
+    from djax.kernels import sparse_attn
+
+    seen = []
+    monkeypatch.setattr(sparse_attn, "_triton", lambda *a, **kw: seen.append(kw) or "triton")
+    rng = np.random.default_rng(13)
+    args = list(map(jnp.asarray, _inputs(rng, 2, 64, 16, 128, 40, 512)))
+    assert sparse_decode(*args, scale=0.3, impl="triton") == "triton"
+    assert seen[-1] == sparse_attn.triton_tiling(2, 64, 128, 512)
+    sparse_decode(*args, scale=0.3, impl="triton", block_h=32, nsplit=3, num_stages=1)
+    assert seen[-1] == {
+        **sparse_attn.triton_tiling(2, 64, 128, 512, block_h=32),
+        "nsplit": 3,
+        "num_stages": 1,
+    }
+    assert seen[-1]["block_h"] == 32 and seen[-1]["nsplit"] == 3
+
+
 def test_kernel_operands_cast_and_reject_inconsistent_shapes():
     from djax.kernels.sparse_attn import kernel_operands
 
