@@ -87,16 +87,17 @@ def plot(result: dict, path: str) -> None:
 def main():
     p = argparse.ArgumentParser()
     p.add_argument("--batches", default="64")
-    p.add_argument("--variants", default="pair3,pair4_pie", help=f"comma list of {', '.join(VARIANTS)}")
+    p.add_argument(
+        "--variants",
+        default="pair3,pair4_pie",
+        help=f"comma list of {', '.join(VARIANTS)} or Triton tilings tr<heads>x<keys>w<warps>s<stages>n<splits>",
+    )
     args = side_by_side_args(p, 5, plot)
     if args is None:
         return
     batches = [int(b) for b in args.batches.split(",")]
     chosen = {name: variant(name) for name in args.variants.split(",") if name}
     if args.build:
-        from djax.kernels.sparse_attn import tilelang_tiling
-        from djax.kernels.sparse_attn_tilelang import cuda_kernel
-
         for b in batches:
             for name, kw in chosen.items():
                 if kw["impl"] == "triton":
@@ -107,6 +108,9 @@ def main():
                     rs_kernel(H, W, C, T, SCALE)
                     print("built", name, b, flush=True)
                     continue
+                from djax.kernels.sparse_attn import tilelang_tiling
+                from djax.kernels.sparse_attn_tilelang import cuda_kernel
+
                 tiling = tilelang_tiling(**{k: v for k, v in kw.items() if k != "impl"})
                 cuda_kernel(b, H, K, W, C, T, SCALE, tiling)
                 print("built", name, b, flush=True)

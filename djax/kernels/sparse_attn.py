@@ -45,11 +45,12 @@ def sparse_decode(
     (-1 = invalid pick); sinks f32[h]. Returns [b, h, k] in q's dtype. The Triton kernel needs k a
     power of two and h a multiple of `block_h` (>= 16); a row with nothing valid returns zeros.
     `nsplit` > 1 splits the keys over that many programs per row (flash decoding) and merges them after.
-    The tiling arguments left None take the kernel's defaults: for Triton `triton_tiling`'s for the shape
-    (splits so that the grid covers the SMs), for TileLang block_s 64, 2 stages, 8 warps, one split.
+    With no tiling argument given Triton takes `triton_tiling`'s for the shape (splits so that the grid covers
+    the SMs); with some given, the others take `FIXED_ARGS` (TileLang always: block_s 64, 2 stages, 8 warps,
+    one split).
 
     impl="auto" on CUDA takes TileLang with its measured default tiling where the kernel applies and
-    TileLang is installed, else Triton with the arguments given (the rest from `triton_tiling`).
+    TileLang is installed, else Triton with the arguments given (`triton_tiling`'s where none are).
     impl="tilelang" (sm_90a; q bf16, h a multiple of 64): one CTA per (row, 64 heads, split) with
     `num_warps` * 32 threads (8 or 16 warps; 12 runs the warp-specialised program, block_s 32 or 64),
     `block_s` keys per step (16/32/64/128) and `num_stages`
@@ -103,44 +104,48 @@ def sparse_decode(
         from djax.kernels.sparse_attn_tilelang import sparse_decode_tilelang
 
         given = dict(block_s=block_s, num_stages=num_stages, num_warps=num_warps, nsplit=nsplit)
-        kw = {**TILELANG_ARGS, **{name: v for name, v in given.items() if v is not None}}
+        kw = {name: FIXED_ARGS[name] if v is None else v for name, v in given.items()}
         tiling = tilelang_tiling(**kw, merge_splits=merge_splits, **dict(options))
         return sparse_decode_tilelang(q, window, window_valid, pool, topk, sinks, scale, tiling)
     given = dict(block_h=block_h, block_s=block_s, num_warps=num_warps, num_stages=num_stages, nsplit=nsplit)
-    kw = triton_tiling(*q.shape[:2], window.shape[1], topk.shape[1], block_h=block_h, block_s=block_s)
-    kw |= {name: v for name, v in given.items() if v is not None}
+    if all(v is None for v in given.values()):
+        kw = triton_tiling(*q.shape[:2], window.shape[1], topk.shape[1])
+    else:
+        kw = {name: FIXED_ARGS[name] if v is None else v for name, v in given.items()}
     return _triton(q, window, window_valid, pool, topk, sinks, scale, **kw)
 
 
-# The TileLang kernel's arguments where `sparse_decode(impl="tilelang")` is given none (stages below 2 read as 2)
-TILELANG_ARGS = dict(block_s=64, num_stages=1, num_warps=8, nsplit=1)
+# The tiling arguments a caller does not give where it gives others (for TileLang also where it gives none;
+# its stages below 2 read as 2): what `sparse_decode` took for every shape before `triton_tiling`
+FIXED_ARGS = dict(block_h=32, block_s=64, num_warps=8, num_stages=1, nsplit=1)
 
 
-def triton_tiling(b: int, h: int, w: int, t: int, block_h: int | None = None, block_s: int | None = None):
-    """The Triton kernel's default arguments for b rows of h heads over a ring of w and t picks.
+def triton_tiling(b: int, h: int, w: int, t: int) -> dict:
+    """The Triton kernel's arguments where `sparse_decode` is given none, for b rows of h heads over a ring of
+    w and t picks. Raises ValueError unless h is a multiple of 16 (the kernel's smallest head block).
 
     From 32 rows of 64-head blocks on, one program takes all 64 heads of a row (each key read once, 8 warps),
     the keys split until the grid has about one program per SM (`H200_SMS`); below, 16 heads a program (4
     warps) and splits up to about two programs per SM, so that a few rows still spread over the GPU. Splits
-    are whole key blocks, none empty. Given `block_h` or `block_s` are kept (the splits follow them).
+    are whole key blocks, none empty. Under a mesh the rows are each device's own.
 
     H100, 2026-12-06, 64 heads x 512, ring 128 + top-512, device us, two alternating rounds: the sweep
     (`attn_triton_h100_sweep.json`) chose 16 heads with splits below 32 rows (at 32 rows 42.3 us against 35.4
-    for 64 heads, 4 splits; at 16 rows 26.0 against 30.2), and 64 heads from 32 rows (at 128 rows 64.7 against
-    96-138 for 16 or 32); the defaults then against the arguments every caller got before (32 heads a program,
+    for 64 heads in 32-key steps, 4 splits; at 16 rows 26.0 against 30.1), and 64 heads from 32 rows (at 128
+    rows 64.9 in 64-key steps against 96-138 for 16 or 32); the defaults then against the arguments every caller got before (32 heads a program,
     no split, one stage) and other 64-head tilings (`attn_triton_h100_defaults_ab.json`): b1 10.5 against 67.0
     (6.4x), b4 15.2 / 95.9, b8 19.0 / 95.8, b16 26.3 / 97.7, b32 33.6 / 98.6, b64 47.1 / 100.2 (64 heads, 64-key
     steps in 3 stages 50.6, 32-key 56.5), b128 65.3 / 203.6 (53% of copy)."""
-    if block_h is None:
-        wide = h % 64 == 0 and b * (h // 64) >= 32
-        block_h = 64 if wide else (16 if h % 16 == 0 else h)
-    block_s = block_s or (64 if block_h >= 64 else 32)
-    key_blocks = -(-(w + t) // block_s)
-    programs = b * max(h // block_h, 1)
-    per_sm = 1 if block_h >= 64 else 2
+    if h % 16:
+        raise ValueError(f"the Triton sparse decode takes heads in multiples of 16, got {h}")
+    block_h = 64 if h % 64 == 0 and b * (h // 64) >= 32 else 16
+    block_s = 64 if block_h == 64 else 32
+    key_blocks = -(-max(w + t, 1) // block_s)
+    programs = b * (h // block_h)
+    per_sm = 1 if block_h == 64 else 2
     nsplit = max(1, min(key_blocks, round(per_sm * H200_SMS / programs)))
     nsplit = -(-key_blocks // -(-key_blocks // nsplit))  # whole key blocks a split, none left empty
-    warps = 8 if block_h >= 64 else 4
+    warps = 8 if block_h == 64 else 4
     return dict(block_h=block_h, block_s=block_s, num_warps=warps, num_stages=2, nsplit=nsplit)
 
 

@@ -152,6 +152,11 @@ def constexprs(
     h: int, k: int, w: int, c: int, t: int, scale: float, block_h: int, block_s: int, nsplit: int = 1
 ) -> dict:
     """The compile-time constants for one shape (every shape is static under jit)."""
+    if block_h < 16 or block_h & (block_h - 1) or block_s < 1 or block_s & (block_s - 1):
+        raise ValueError(
+            f"BLOCK_H {block_h} must be a power of two of at least 16 (the dot's smallest M) and BLOCK_S "
+            f"{block_s} a power of two"
+        )
     if h % block_h:
         raise ValueError(f"heads {h} must be a multiple of BLOCK_H {block_h}")
     cx = dict(H=h, K=k, W=w, C=c, T=t, QK_SCALE=scale * math.log2(math.e), BLOCK_H=block_h, BLOCK_S=block_s)

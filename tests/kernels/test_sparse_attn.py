@@ -190,24 +190,43 @@ def test_auto_on_cuda_hands_the_default_tiling_to_tilelang(monkeypatch):
     ],
 )
 def test_triton_tiling_spreads_the_rows_with_whole_key_blocks(b, heads, splits):
-    """The default tiling at 64 heads: 16 heads a program below 32 rows, with splits up to about two programs
-    per SM (132); all 64 from 32 rows, up to about one; whole key blocks a split, none empty."""
+    """The default tiling at 64 heads: 16 heads a program below 32 rows (splits up to about two programs per
+    SM), all 64 from 32 rows (up to about one); the kernel's split length (`constexprs`) then leaves no split
+    empty."""
     from djax.kernels.sparse_attn import triton_tiling
+    from djax.kernels.sparse_attn_triton import constexprs
 
     w, t = 128, 512
     kw = triton_tiling(b, 64, w, t)
     assert (kw["block_h"], kw["nsplit"]) == (heads, splits)
-    assert (kw["block_s"], kw["num_warps"]) == ((64, 8) if heads == 64 else (32, 4))
-    blocks = -(-(w + t) // kw["block_s"])
-    per_split = -(-blocks // kw["nsplit"])
-    assert (kw["nsplit"] - 1) * per_split < blocks <= kw["nsplit"] * per_split  # the last split has keys
-    assert kw["nsplit"] * b * (64 // heads) <= (2 if heads == 16 else 1) * 132 * 1.5
-    # heads that are no multiple of 64 keep 16 a program (or all of them, under 16 or not a multiple of 16)
-    assert triton_tiling(b, 48, w, t)["block_h"] == 16 and triton_tiling(b, 24, w, t)["block_h"] == 24
+    assert (kw["block_s"], kw["num_warps"], kw["num_stages"]) == ((64, 8, 2) if heads == 64 else (32, 4, 2))
+    cx = constexprs(64, 512, w, 2048, t, 0.1, kw["block_h"], kw["block_s"], kw["nsplit"])
+    if splits > 1:
+        assert cx["SPLIT_LEN"] % kw["block_s"] == 0 and (splits - 1) * cx["SPLIT_LEN"] < w + t
+        assert splits * cx["SPLIT_LEN"] >= w + t
+
+
+def test_triton_tiling_takes_heads_in_sixteens():
+    """Heads that are no multiple of 64 keep 16 a program at any batch; no multiple of 16 is refused, as is a
+    head block the kernel cannot compile."""
+    from djax.kernels.sparse_attn import triton_tiling
+    from djax.kernels.sparse_attn_triton import constexprs
+
+    assert (
+        triton_tiling(128, 48, 128, 512)["block_h"] == 16
+        and triton_tiling(128, 128, 128, 512)["block_h"] == 64
+    )
+    for h in (8, 24):
+        with pytest.raises(ValueError, match=f"multiples of 16, got {h}"):
+            triton_tiling(4, h, 128, 512)
+    for bh, bs in ((8, 32), (24, 32), (16, 24)):
+        with pytest.raises(ValueError, match="must be a power of two"):
+            constexprs(48, 64, 8, 16, 4, 0.1, bh, bs)
 
 
 def test_triton_defaults_fill_only_what_is_not_given(monkeypatch):
-    """impl="triton" hands `_triton` `triton_tiling`'s arguments for the shape, the caller's where given."""
+    """impl="triton" with no tiling argument hands `_triton` `triton_tiling`'s for the shape; with some given,
+    the others are `FIXED_ARGS` (what every call took before), not the shape's."""
     from djax.kernels import sparse_attn
 
     seen = []
@@ -215,14 +234,25 @@ def test_triton_defaults_fill_only_what_is_not_given(monkeypatch):
     rng = np.random.default_rng(13)
     args = list(map(jnp.asarray, _inputs(rng, 2, 64, 16, 128, 40, 512)))
     assert sparse_decode(*args, scale=0.3, impl="triton") == "triton"
-    assert seen[-1] == sparse_attn.triton_tiling(2, 64, 128, 512)
-    sparse_decode(*args, scale=0.3, impl="triton", block_h=32, nsplit=3, num_stages=1)
-    assert seen[-1] == {
-        **sparse_attn.triton_tiling(2, 64, 128, 512, block_h=32),
-        "nsplit": 3,
-        "num_stages": 1,
-    }
-    assert seen[-1]["block_h"] == 32 and seen[-1]["nsplit"] == 3
+    assert seen[-1] == sparse_attn.triton_tiling(2, 64, 128, 512) and seen[-1]["nsplit"] == 20
+    sparse_decode(*args, scale=0.3, impl="triton", block_h=16, nsplit=3)
+    assert seen[-1] == {**sparse_attn.FIXED_ARGS, "block_h": 16, "nsplit": 3}
+
+
+def test_tilelang_without_arguments_takes_the_fixed_tiling(monkeypatch):
+    """impl="tilelang" given no tiling argument builds the Tiling it always did (64-key steps, 2 stages, 8 warps,
+    one split); the ones given replace those alone."""
+    pytest.importorskip("tilelang")
+    from djax.kernels import sparse_attn, sparse_attn_tilelang
+
+    used = []
+    monkeypatch.setattr(sparse_attn_tilelang, "sparse_decode_tilelang", lambda *a: used.append(a[-1]) or "tl")
+    rng = np.random.default_rng(14)
+    args = list(map(jnp.asarray, _inputs(rng, 2, 64, 16, 128, 40, 512)))
+    assert sparse_decode(*args, scale=0.3, impl="tilelang") == "tl"
+    assert used[-1] == sparse_attn.tilelang_tiling(64, 2, 8, 1)
+    sparse_decode(*args, scale=0.3, impl="tilelang", num_warps=12, nsplit=2)
+    assert used[-1] == sparse_attn.tilelang_tiling(64, 2, 12, 2)
 
 
 def test_kernel_operands_cast_and_reject_inconsistent_shapes():
