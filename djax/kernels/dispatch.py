@@ -12,12 +12,21 @@ import jax
 H200_SMS = 132  # the SMs of the GPU the default tilings are sized for (grids that fill it once or twice)
 
 
+# The compute capability every kernel is built for (Triton's cubins and TileLang's are sm_90: Hopper)
+KERNEL_ARCH_MAJOR = 9
+
+
 def on_cuda() -> bool:
-    """True when JAX's default backend is a CUDA GPU."""
+    """True when JAX's default backend is a GPU the kernels run on: CUDA, compute capability 9.x (H100, H200).
+    Elsewhere, an Ampere or a Blackwell GPU among them, "auto" takes the references, which XLA compiles for
+    any GPU; the kernels' sm_90 cubins would not load there."""
     try:
-        return jax.default_backend() == "gpu"
+        if jax.default_backend() != "gpu":
+            return False
+        capability = getattr(jax.devices()[0], "compute_capability", None)
     except RuntimeError:
         return False
+    return capability is None or str(capability).split(".")[0] == str(KERNEL_ARCH_MAJOR)
 
 
 def has_triton() -> bool:
