@@ -90,7 +90,8 @@ def main():
     p.add_argument(
         "--variants",
         default="pair3,pair4_pie",
-        help=f"comma list of {', '.join(VARIANTS)} or Triton tilings tr<heads>x<keys>w<warps>s<stages>n<splits>",
+        help=f"comma list of {', '.join(VARIANTS)} or Triton tilings "
+        "tr<heads>x<keys>w<warps>s<stages>n<splits>",
     )
     args = side_by_side_args(p, 5, plot)
     if args is None:

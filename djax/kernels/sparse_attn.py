@@ -129,13 +129,14 @@ def triton_tiling(b: int, h: int, w: int, t: int) -> dict:
     warps) and splits up to about two programs per SM, so that a few rows still spread over the GPU. Splits
     are whole key blocks, none empty. Under a mesh the rows are each device's own.
 
-    H100, 2026-12-06, 64 heads x 512, ring 128 + top-512, device us, two alternating rounds: the sweep
+    H100, 2026-12-06, 64 heads x 512, ring 128 + top-512, device us, two alternating rounds. The sweep
     (`attn_triton_h100_sweep.json`) chose 16 heads with splits below 32 rows (at 32 rows 42.3 us against 35.4
-    for 64 heads in 32-key steps, 4 splits; at 16 rows 26.0 against 30.1), and 64 heads from 32 rows (at 128
-    rows 64.9 in 64-key steps against 96-138 for 16 or 32); the defaults then against the arguments every caller got before (32 heads a program,
-    no split, one stage) and other 64-head tilings (`attn_triton_h100_defaults_ab.json`): b1 10.5 against 67.0
-    (6.4x), b4 15.2 / 95.9, b8 19.0 / 95.8, b16 26.3 / 97.7, b32 33.6 / 98.6, b64 47.1 / 100.2 (64 heads, 64-key
-    steps in 3 stages 50.6, 32-key 56.5), b128 65.3 / 203.6 (53% of copy)."""
+    for 64 heads in 32-key steps, 4 splits; at 16 rows 26.0 against 30.1) and 64 heads from 32 rows (at 128
+    rows 64.9 in 64-key steps against 96-138 for 16 or 32). The defaults then against the arguments every
+    caller got before (32 heads a program, no split, one stage) and other 64-head tilings
+    (`attn_triton_h100_defaults_ab.json`): b1 10.5 against 67.0 (6.4x), b4 15.2 / 95.9, b8 19.0 / 95.8, b16
+    26.3 / 97.7, b32 33.6 / 98.6, b64 47.1 / 100.2 (64 heads, 64-key steps in 3 stages 50.6, 32-key 56.5),
+    b128 65.3 / 203.6 (53% of copy)."""
     if h % 16:
         raise ValueError(f"the Triton sparse decode takes heads in multiples of 16, got {h}")
     block_h = 64 if h % 64 == 0 and b * (h // 64) >= 32 else 16

@@ -84,9 +84,9 @@ def test_kernel_over_the_shared_memory_limit_is_refused_at_compile_time():
 
 @pytest.mark.parametrize("capability, runs", [("9.0", True), ("8.0", False), ("10.0", False), (None, True)])
 def test_auto_takes_the_kernels_only_on_the_gpus_they_are_built_for(monkeypatch, capability, runs):
-    """`on_cuda` (what every "auto" asks) is true on a GPU of the kernels' compute capability (sm_90 cubins) and
-    false on other GPUs, where the references run; a device that does not say its capability is taken at its
-    word as a CUDA GPU."""
+    """`on_cuda` (what every "auto" asks) is true on a GPU of the kernels' compute capability (sm_90
+    cubins) and false on other GPUs, where the references run; a device that does not say its capability
+    is taken at its word as a CUDA GPU."""
     from types import SimpleNamespace
 
     from djax.ffi import cubin
