@@ -100,18 +100,17 @@ def sparse_decode(
         from djax.kernels.sparse_attn_rs import sparse_decode_rs
 
         return sparse_decode_rs(q, window, window_valid, pool, topk, sinks, scale)
+    given = dict(block_h=block_h, block_s=block_s, num_warps=num_warps, num_stages=num_stages, nsplit=nsplit)
+    # the arguments not given take FIXED_ARGS; Triton given none takes its tiling for the shape instead
+    kw = {name: FIXED_ARGS[name] if v is None else v for name, v in given.items()}
     if impl == "tilelang":
         from djax.kernels.sparse_attn_tilelang import sparse_decode_tilelang
 
-        given = dict(block_s=block_s, num_stages=num_stages, num_warps=num_warps, nsplit=nsplit)
-        kw = {name: FIXED_ARGS[name] if v is None else v for name, v in given.items()}
+        del kw["block_h"]  # a CTA takes all 64 heads
         tiling = tilelang_tiling(**kw, merge_splits=merge_splits, **dict(options))
         return sparse_decode_tilelang(q, window, window_valid, pool, topk, sinks, scale, tiling)
-    given = dict(block_h=block_h, block_s=block_s, num_warps=num_warps, num_stages=num_stages, nsplit=nsplit)
     if all(v is None for v in given.values()):
         kw = triton_tiling(*q.shape[:2], window.shape[1], topk.shape[1])
-    else:
-        kw = {name: FIXED_ARGS[name] if v is None else v for name, v in given.items()}
     return _triton(q, window, window_valid, pool, topk, sinks, scale, **kw)
 
 
