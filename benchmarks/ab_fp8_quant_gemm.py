@@ -2,6 +2,7 @@
 
 python benchmarks/ab_fp8_quant_gemm.py [--shapes 2048x4096,...] [--rows 1,32] [--sweep-rows 1] [--rounds 2]
   [--out DIR]   (CUDA GPU; `--plot JSON` only draws an earlier run's PNG beside it)
+python benchmarks/ab_fp8_quant_gemm.py --pairs 1024+512x4096,... [--rows 1,32]   (two projections of one x)
 
 Per projection shape (n x k, V4-Flash's FP8 projections by default) and row count m, bf16 activations x [m, k]
 and a 128 x 128-block FP8 weight:
@@ -12,6 +13,8 @@ and a 128 x 128-block FP8 weight:
   - at the --sweep-rows counts, `fp8_quant_gemm` (UE8M0) at other tiles: "quant m{BLOCK_M} n{BLOCK_N} s{split}",
     "... swap" where the dot is taken as b a^T, "... st{stages}" at other than six stages;
   - "bf16 weight": x @ w^T on the bf16 weight (XLA), twice the bytes.
+With --pairs (n1+n2 x k: V4-Flash's projections of one x by default) instead: "two calls" (`fp8_quant_gemm` once
+per weight) against "pair" (`fp8_quant_gemm_pair`, one launch), UE8M0 scales and, up to 16 rows, plain ones.
 Each is checked against the two-step jnp reference first (a wrong one is recorded and not timed); then every
 round times each once (device time from a profiler trace), each round starting with the next variant. Input sets
 rotate over at least --weight-mb (150) MB of weights, so that the 50 MB L2 does not hold them. Writes fp8_quant_gemm_ab.json
@@ -32,7 +35,7 @@ import numpy as np  # noqa: E402
 from ab_plot import one_round, save, side_by_side_args  # noqa: E402
 
 from djax.kernels import fp8_quant_triton as qk  # noqa: E402
-from djax.kernels.fp8_gemm import fp8_gemm, fp8_quant_gemm  # noqa: E402
+from djax.kernels.fp8_gemm import fp8_gemm, fp8_quant_gemm, fp8_quant_gemm_pair  # noqa: E402
 from djax.kernels.fp8_gemm_ref import quantize_act  # noqa: E402
 from djax.kernels.fp8_gemm_triton import fewest_splits  # noqa: E402
 from djax.quant import quantize  # noqa: E402
@@ -40,6 +43,8 @@ from djax.quant import quantize  # noqa: E402
 # V4-Flash's FP8 projections (out x in): shared expert up and down, q LoRA up, output LoRA down, q LoRA down,
 # the KV projection
 SHAPES = "2048x4096,4096x2048,32768x1024,4096x8192,1024x4096,512x4096"
+# wq_a with wkv, a CSA compressor's wkv with wgate, an HCA one's, the indexer's, the shared expert's w1 with w3
+PAIRS = "1024+512x4096,1024+1024x4096,512+512x4096,256+256x4096,2048+2048x4096"
 RTOL = 2.0**-7  # bf16 results of float32 sums in a different order: a few bf16 ulps
 
 
@@ -93,10 +98,10 @@ def plot(result: dict, path: str) -> None:
         )
         for row in result["rows"]
     ]
-    suptitle = (
-        f"FP8 projection, quantized in the GEMM or before it, {result['device']}, {result['date'][:10]}"
-    )
-    plot_rounds(panels, "two-step", 0.7, suptitle, path)
+    pairs = bool(result["rows"]) and "n1" in result["rows"][0]
+    what = "two projections of one x, in two calls or one" if pairs else "quantized in the GEMM or before it"
+    suptitle = f"FP8 projection, {what}, {result['device']}, {result['date'][:10]}"
+    plot_rounds(panels, "two calls ue8m0" if pairs else "two-step", 0.7, suptitle, path)
 
 
 def make_sets(m, n, k, weight_bytes):
@@ -109,12 +114,62 @@ def make_sets(m, n, k, weight_bytes):
     return sets
 
 
+def run_pairs(args, copy_bw, res) -> None:
+    """--pairs: per pair of weights (n1+n2 x k) and row count, two `fp8_quant_gemm` calls against one
+    `fp8_quant_gemm_pair`, each checked against the two references first."""
+    from bench_tilelang import rel_err
+
+    for m in [int(r) for r in args.rows.split(",")]:
+        for pair in args.pairs.split(","):
+            widths, k = pair.split("x")
+            n1, n2, k = *(int(w) for w in widths.split("+")), int(k)
+            firsts = make_sets(m, n1, k, args.weight_mb * 1_000_000 * n1 // (n1 + n2))
+            seconds = make_sets(m, n2, k, args.weight_mb * 1_000_000 * n2 // (n1 + n2))
+            count = min(len(firsts), len(seconds))
+            sets = [(*a[:3], *b[1:3]) for a, b in zip(firsts[:count], seconds[:count], strict=True)]
+            kinds = (True, False) if m <= 16 else (True,)
+            fns = {}
+            for u in kinds:
+                tag = " ue8m0" if u else " plain"
+                fns["two calls" + tag] = (
+                    lambda x, v, s, v2, s2, u=u: (fp8_quant_gemm(x, v, s, u), fp8_quant_gemm(x, v2, s2, u)),
+                    u,
+                )
+                fns["pair" + tag] = (lambda x, v, s, v2, s2, u=u: fp8_quant_gemm_pair(x, v, s, v2, s2, u), u)
+            x, v, s, v2, s2 = sets[0]
+            refs = {
+                u: np.concatenate(
+                    [
+                        np.asarray(fp8_quant_gemm(x, w, sc, u, impl="ref"), np.float32)
+                        for w, sc in ((v, s), (v2, s2))
+                    ],
+                    axis=1,
+                )
+                for u in kinds
+            }
+            row = dict(m=m, n=n1 + n2, n1=n1, k=k, sets=count, rel_err={}, rounds=[])
+            for name, (fn, u) in fns.items():
+                out = jax.block_until_ready(jax.jit(fn)(*sets[0]))
+                got = np.concatenate([np.asarray(o, np.float32) for o in out], axis=1)
+                row["rel_err"][name] = err = rel_err(got, refs[u])
+                print(m, pair, name, "rel_err", err, flush=True)
+            timed = {name: (fn, sets) for name, (fn, _) in fns.items() if row["rel_err"][name] <= RTOL}
+            for r in range(args.rounds):
+                row["rounds"].append(times := one_round(timed, r))
+                print(m, pair, "round", r, times, flush=True)
+            res["rows"].append(row)
+            save(res, args.out, "fp8_quant_gemm_pair_ab", plot)
+
+
 def main():
     p = argparse.ArgumentParser()
     p.add_argument("--shapes", default=SHAPES)
     p.add_argument("--rows", default="1,32")
     p.add_argument("--sweep-rows", default="1", help="row counts at which other tiles are tried too")
     p.add_argument("--weight-mb", type=int, default=150, help="weight bytes the input sets rotate over")
+    p.add_argument(
+        "--pairs", nargs="?", const=PAIRS, help=f"pairs of weights n1+n2xk instead (default {PAIRS})"
+    )
     args = side_by_side_args(p, 2, plot)
     if args is None:
         return
@@ -131,6 +186,9 @@ def main():
     res["tilelang"] = dispatch.has_tilelang()
     res["rows"] = []
     print("copy", copy_bw / 1e12, "TB/s", flush=True)
+    if args.pairs:
+        run_pairs(args, copy_bw, res)
+        return
     for m in [int(r) for r in args.rows.split(",")]:
         for n, k in shapes:
             sets = make_sets(m, n, k, args.weight_mb * 1_000_000)

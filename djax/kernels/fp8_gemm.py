@@ -153,6 +153,49 @@ def fp8_quant_gemm(
     return _summed(c, splits, a.dtype)
 
 
+def fp8_quant_gemm_pair(
+    a,
+    b,
+    b_scale,
+    b2,
+    b2_scale,
+    ue8m0: bool = False,
+    impl: str = "auto",
+    cfg=None,
+    rounding: str | None = None,
+):
+    """`(fp8_quant_gemm(a, b, b_scale, ue8m0), fp8_quant_gemm(a, b2, b2_scale, ue8m0))` in one launch: two
+    projections of the same activations (a decode step's wq_a and wkv, a compressor's wkv and wgate), each
+    program reading one weight, so the pair pays one kernel's start and one split-K sum. b [n, k] and b2
+    [n2, k] as `fp8_quant_gemm`'s b, both with 128 x 128 scales; impl, cfg (None: `quant_config` of n + n2
+    columns) and rounding as there. Returns ([m, n], [m, n2]) in a's dtype."""
+    from djax.kernels import fp8_quant_triton as qk
+
+    shapes.fp8_quant(a, b, b_scale)
+    shapes.fp8_quant(a, b2, b2_scale)
+    impl = resolve(impl, QUANT_IMPLS)
+    n1 = b.shape[0]
+    if impl == "ref":
+        a8, a_scale = quantize_act(a, ue8m0)
+        return tuple(fp8_gemm_ref(a8, a_scale, w, s, a.dtype) for w, s in ((b, b_scale), (b2, b2_scale)))
+    m, k = a.shape
+    n = n1 + b2.shape[0]
+    cfg = cfg or qk.quant_config(m, n, k)
+    rounding = rounding or ("bits" if impl == "interpret" else "cast")
+    cx = qk.constexprs(m, n, k, ue8m0, rounding, cfg, n1)  # checks the config at trace time
+    splits = split_k(cfg)
+    out = _result((m, n), a.dtype, splits)
+    args = [a, b, b_scale.astype(jnp.float32), b2, b2_scale.astype(jnp.float32)]
+    if impl == "interpret":
+        host = lambda *h: _host_quant(ue8m0, cfg, rounding, out.dtype, *h)  # noqa: E731
+        c = jax.pure_callback(host, out, *args)
+    else:
+        names = ["a_ptr", "b_ptr", "bs_ptr", "b2_ptr", "bs2_ptr", "c_ptr"]
+        c = _launch(qk.fp8_quant_gemm_pair_kernel, names, args, out, cx, cfg, qk.grid(m, n, cfg))
+    c = _summed(c, splits, a.dtype)
+    return c[:, :n1], c[:, n1:]
+
+
 def auto_takes_tilelang(a, b, out_dtype) -> bool:
     """Whether impl="auto" runs the TileLang "ws" kernel: on CUDA with TileLang (and nvcc) installed, for fp8
     e4m3 operands with n and k multiples of 128 and a bf16 result, where it was measured faster than Triton:
@@ -382,10 +425,11 @@ def _host_weight(block, cfg, decode, out_dtype, a, codes, scale):
     return out.numpy().astype(out_dtype)
 
 
-def _host_quant(ue8m0, cfg, rounding, out_dtype, a, b, scale):
+def _host_quant(ue8m0, cfg, rounding, out_dtype, a, b, scale, b2=None, scale2=None):
     from djax.kernels.fp8_quant_triton import launch_torch
 
-    out = launch_torch(_torch(a), _torch(b), _torch(scale), ue8m0, cfg, rounding)
+    second = None if b2 is None else (_torch(b2), _torch(scale2))
+    out = launch_torch(_torch(a), _torch(b), _torch(scale), ue8m0, cfg, rounding, second)
     return out.numpy().astype(out_dtype)
 
 

@@ -30,6 +30,12 @@ unswapped 16-row tiles; djax/kernels/NOTES.md).
 
 Split-K as in `fp8_gemm_triton`: program (tile, s) sums the s-th run of K blocks into the float32 partial
 c[s]; the caller sums c over its first axis.
+
+`fp8_quant_gemm_pair_kernel` runs two projections of the same activations in one launch (a decode step's wq_a
+and wkv, a compressor's wkv and wgate, a SwiGLU's w1 and w3): the first weight's column tiles, then the
+second's, each program the same as the single kernel's (`_quant_gemm_program`; the single kernel compiles to
+the same SASS as before that function was split out, checked for sm_90 at four shapes and both scale
+kinds). At a decode step each such GEMM costs more in its start and its split-K sum than in its weights.
 """
 
 from __future__ import annotations
@@ -119,37 +125,41 @@ def _pow2_inverse(s):
 
 
 @triton.jit
-def fp8_quant_gemm_kernel(
-    a_ptr,  # [M, K] activations (bf16; float32 in the interpreter)
-    b_ptr,  # [N, K] e4m3 weights (float32 stand-ins, the same values, in the interpreter)
-    bs_ptr,  # f32 [N / 128, K / 128]
-    c_ptr,  # [M, N] in a's dtype; SPLIT_K > 1: f32 [SPLIT_K, M, N]
+def _quant_gemm_program(
+    a_ptr,
+    b_ptr,  # the weight this program reads
+    bs_ptr,  # its scales
+    c_ptr,  # the result (or this split's partial), [M, N]
+    pid_m,
+    row0,  # the first of the weight's rows this program reads
+    n0,  # its first output column
     M: tl.constexpr,
     N: tl.constexpr,
     K: tl.constexpr,
-    UE8M0: tl.constexpr,  # power-of-two activation scales (`quantize_act(ue8m0=True)`)
-    BITS: tl.constexpr,  # round to e4m3 in float32 arithmetic (interpreter) instead of Triton's conversion
+    UE8M0: tl.constexpr,
+    BITS: tl.constexpr,
     BLOCK_M: tl.constexpr,
     BLOCK_N: tl.constexpr,
     SPLIT_K: tl.constexpr,
-    SWAP_AB: tl.constexpr,  # the dot as b a^T (weight rows the wgmma's 64-row side), the result transposed
+    SWAP_AB: tl.constexpr,
 ):
+    """One program's [BLOCK_M, BLOCK_N] tile over its split of K: a's rows quantized per 128 columns, the fp8
+    dot, the promotion by both scales, the store."""
     BK: tl.constexpr = 128
     KB: tl.constexpr = K // BK
     # split s takes K blocks [s * KBS, (s + 1) * KBS): a constant trip count keeps the loop pipelined; the
     # last split's blocks past K load nothing (it may have none)
     KBS: tl.constexpr = (KB + SPLIT_K - 1) // SPLIT_K
-    pid_m, pid_n = program_tile(N, BLOCK_N)
     pid_k = tl.program_id(1)
     kb0 = pid_k * KBS
     c_ptr += pid_k.to(tl.int64) * M * N
     rm = pid_m * BLOCK_M + tl.arange(0, BLOCK_M)
-    rn = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
+    rw = row0 + tl.arange(0, BLOCK_N)
     rk = tl.arange(0, BK)
     m_ok = rm < M
     a_ptrs = a_ptr + rm[:, None].to(tl.int64) * K + kb0 * BK + rk[None, :]
-    b_ptrs = b_ptr + rn[:, None].to(tl.int64) * K + kb0 * BK + rk[None, :]
-    bs_ptrs = bs_ptr + ((pid_n * BLOCK_N) // BK) * KB
+    b_ptrs = b_ptr + rw[:, None].to(tl.int64) * K + kb0 * BK + rk[None, :]
+    bs_ptrs = bs_ptr + (row0 // BK) * KB
     acc = tl.zeros([BLOCK_M, BLOCK_N], tl.float32)
     # the weight scale is read one K block ahead (as in fp8_gemm_triton: Triton pipelines only the loads that
     # feed the dot); past the last block the tiles load as zeros and any finite scale will do
@@ -181,6 +191,7 @@ def fp8_quant_gemm_kernel(
         sb = sb_next
         a_ptrs += BK
         b_ptrs += BK
+    rn = n0 + tl.arange(0, BLOCK_N)
     tl.store(
         c_ptr + rm[:, None].to(tl.int64) * N + rn[None, :],
         acc.to(c_ptr.dtype.element_ty),
@@ -188,15 +199,108 @@ def fp8_quant_gemm_kernel(
     )
 
 
-def constexprs(m: int, n: int, k: int, ue8m0: bool, rounding: str, cfg: Fp8Config) -> dict:
-    """Compile-time constants of one shape; checks the shape and the config against the kernel's contract."""
+@triton.jit
+def fp8_quant_gemm_kernel(
+    a_ptr,  # [M, K] activations (bf16; float32 in the interpreter)
+    b_ptr,  # [N, K] e4m3 weights (float32 stand-ins, the same values, in the interpreter)
+    bs_ptr,  # f32 [N / 128, K / 128]
+    c_ptr,  # [M, N] in a's dtype; SPLIT_K > 1: f32 [SPLIT_K, M, N]
+    M: tl.constexpr,
+    N: tl.constexpr,
+    K: tl.constexpr,
+    UE8M0: tl.constexpr,  # power-of-two activation scales (`quantize_act(ue8m0=True)`)
+    BITS: tl.constexpr,  # round to e4m3 in float32 arithmetic (interpreter) instead of Triton's conversion
+    BLOCK_M: tl.constexpr,
+    BLOCK_N: tl.constexpr,
+    SPLIT_K: tl.constexpr,
+    SWAP_AB: tl.constexpr,  # the dot as b a^T (weight rows the wgmma's 64-row side), the result transposed
+):
+    pid_m, pid_n = program_tile(N, BLOCK_N)
+    n0 = pid_n * BLOCK_N
+    _quant_gemm_program(
+        a_ptr, b_ptr, bs_ptr, c_ptr, pid_m, n0, n0, M, N, K, UE8M0, BITS, BLOCK_M, BLOCK_N, SPLIT_K, SWAP_AB
+    )
+
+
+@triton.jit
+def fp8_quant_gemm_pair_kernel(
+    a_ptr,  # [M, K] activations
+    b_ptr,  # [N1, K] e4m3: the first weight
+    bs_ptr,  # f32 [N1 / 128, K / 128]
+    b2_ptr,  # [N - N1, K] e4m3: the second weight
+    bs2_ptr,  # f32 [(N - N1) / 128, K / 128]
+    c_ptr,  # [M, N]: both products side by side (SPLIT_K > 1: f32 [SPLIT_K, M, N])
+    M: tl.constexpr,
+    N: tl.constexpr,
+    N1: tl.constexpr,  # the first weight's rows, a multiple of 128
+    K: tl.constexpr,
+    UE8M0: tl.constexpr,
+    BITS: tl.constexpr,
+    BLOCK_M: tl.constexpr,
+    BLOCK_N: tl.constexpr,
+    SPLIT_K: tl.constexpr,
+    SWAP_AB: tl.constexpr,
+):
+    """Two projections of the same activations in one launch: the column tiles of the first weight, then those
+    of the second (a tile never straddles them, N1 being a multiple of 128 and BLOCK_N dividing 128)."""
+    pid_m, pid_n = program_tile(N, BLOCK_N)
+    n0 = pid_n * BLOCK_N
+    if n0 < N1:
+        _quant_gemm_program(
+            a_ptr,
+            b_ptr,
+            bs_ptr,
+            c_ptr,
+            pid_m,
+            n0,
+            n0,
+            M,
+            N,
+            K,
+            UE8M0,
+            BITS,
+            BLOCK_M,
+            BLOCK_N,
+            SPLIT_K,
+            SWAP_AB,
+        )
+    else:
+        _quant_gemm_program(
+            a_ptr,
+            b2_ptr,
+            bs2_ptr,
+            c_ptr,
+            pid_m,
+            n0 - N1,
+            n0,
+            M,
+            N,
+            K,
+            UE8M0,
+            BITS,
+            BLOCK_M,
+            BLOCK_N,
+            SPLIT_K,
+            SWAP_AB,
+        )
+
+
+def constexprs(
+    m: int, n: int, k: int, ue8m0: bool, rounding: str, cfg: Fp8Config, n1: int | None = None
+) -> dict:
+    """Compile-time constants of one shape; checks the shape and the config against the kernel's contract. n1:
+    the pair kernel's first weight's rows (of n in all)."""
     if rounding not in ROUNDINGS:
         raise ValueError(f"rounding must be one of {ROUNDINGS}, got {rounding!r}")
     if n % 128 or k % 128:
         raise ValueError(f"fp8_quant_gemm: n {n} and k {k} must be multiples of 128")
+    if n1 is not None and (n1 % 128 or not 0 < n1 < n):
+        raise ValueError(
+            f"fp8_quant_gemm_pair: the first weight's {n1} rows must be a multiple of 128 under {n}"
+        )
     if 128 % cfg.block_n or cfg.block_k != 128:
         raise ValueError(f"BLOCK_N {cfg.block_n} must divide 128 and BLOCK_K {cfg.block_k} must be 128")
-    return dict(
+    cx = dict(
         M=m,
         N=n,
         K=k,
@@ -207,23 +311,29 @@ def constexprs(m: int, n: int, k: int, ue8m0: bool, rounding: str, cfg: Fp8Confi
         SPLIT_K=split_k(cfg),
         SWAP_AB=bool(getattr(cfg, "swap_ab", False)),
     )
+    return cx if n1 is None else {**cx, "N1": n1}
 
 
-def launch_torch(a, b, scale, ue8m0: bool, cfg: Fp8Config, rounding: str = "bits"):
+def launch_torch(a, b, scale, ue8m0: bool, cfg: Fp8Config, rounding: str = "bits", second=None):
     """Runs the kernel on torch tensors (GPU, or CPU under TRITON_INTERPRET=1 with float32 stand-ins): a [m, K],
-    b [N, K], scale float32 [N / 128, K / 128]. Returns [m, N] in a's dtype, or with split_k(cfg) > 1 the f32
-    partials [split_k, m, N] to be summed over the first axis."""
+    b [N, K], scale float32 [N / 128, K / 128]; `second` (b2, scale2): the pair kernel, both products side by
+    side. Returns [m, N (+ N2)] in a's dtype, or with split_k(cfg) > 1 the f32 partials [split_k, m, ...] to be
+    summed over the first axis."""
     import torch
 
     m, k = a.shape
-    n = b.shape[0]
-    cx = constexprs(m, n, k, ue8m0, rounding, cfg)
+    n1 = b.shape[0]
+    n = n1 + (0 if second is None else second[0].shape[0])
+    cx = constexprs(m, n, k, ue8m0, rounding, cfg, None if second is None else n1)
     shape, dtype = (m, n), a.dtype
     if split_k(cfg) > 1:
         shape, dtype = (split_k(cfg), m, n), torch.float32
     c = torch.full(shape, float("nan"), dtype=dtype, device=a.device)
     opts = dict(num_warps=cfg.num_warps, num_stages=cfg.num_stages)
-    fp8_quant_gemm_kernel[grid(m, n, cfg)](
-        a.contiguous(), b.contiguous(), scale.contiguous(), c, **cx, **opts
-    )
+    operands = [a.contiguous(), b.contiguous(), scale.contiguous()]
+    kernel = fp8_quant_gemm_kernel
+    if second is not None:
+        operands += [second[0].contiguous(), second[1].contiguous()]
+        kernel = fp8_quant_gemm_pair_kernel
+    kernel[grid(m, n, cfg)](*operands, c, **cx, **opts)
     return c

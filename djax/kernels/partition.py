@@ -126,6 +126,19 @@ def fp8_quant_gemm(impl: str):
 
 
 @functools.cache
+def fp8_quant_gemm_pair(impl: str):
+    """djax.kernels.fp8_gemm.fp8_quant_gemm_pair(a, b, b_scale, b2, b2_scale, ue8m0): rows of a split."""
+
+    def fn(a, b, b_scale, b2, b2_scale, ue8m0):
+        from djax.kernels import fp8_gemm as _fp8
+
+        return _fp8.fp8_quant_gemm_pair(a, b, b_scale, b2, b2_scale, ue8m0, impl=impl)
+
+    rule = "m k, n k, i j, p k, q j -> m n, m p"
+    return batch_sharded(fn, rule, (True, False, False, False, False), static_argnums=(5,))
+
+
+@functools.cache
 def fp8_weight_gemm(impl: str):
     """djax.kernels.fp8_gemm.fp8_weight_gemm(a, b, b_scale, block): rows of a split."""
 

@@ -25,6 +25,7 @@ from djax.models.layers import (
     fp8_impl,
     grouped_linear,
     linear,
+    linear_pair,
     rms_norm,
     rope_cos_sin,
     rope_inv_freq,
@@ -312,10 +313,11 @@ def compressor_extend(
     b, c, _ = x.shape
     ring = st[kv_k].shape[1]
     m = ratio
-    raw_kv = linear(x, p["wkv"]["weight"], fp8).astype(st[kv_k].dtype)
     if "wgate" in p:
-        raw_gate = linear(x, p["wgate"]["weight"], fp8).astype(st[gate_k].dtype)
+        raw_kv, raw_gate = linear_pair(x, p["wkv"]["weight"], p["wgate"]["weight"], fp8)
+        raw_kv, raw_gate = raw_kv.astype(st[kv_k].dtype), raw_gate.astype(st[gate_k].dtype)
     else:  # ratio 1: a window of one token, its softmax weight is 1
+        raw_kv = linear(x, p["wkv"]["weight"], fp8).astype(st[kv_k].dtype)
         raw_gate = jnp.zeros_like(raw_kv).astype(st[gate_k].dtype)
     ape = p["ape"] if "ape" in p else 0.0
     start = pos0 - ring  # position of combined index 0
@@ -401,12 +403,13 @@ def _indexer_query(p: dict, x: jax.Array, q_res: jax.Array, pos: jax.Array, cfg:
 # ---- attention ----------------------------------------------------------------------------------------------
 def _q_kv(p: dict, x: jax.Array, pos: jax.Array, cfg: ModelConfig, inv_freq, fp8=None):
     h, k = cfg.num_attention_heads, cfg.head_dim
-    q_res = rms_norm(linear(x, p["wq_a"]["weight"], fp8), p["q_norm"]["weight"], cfg.rms_norm_eps)
+    q_a, kv = linear_pair(x, p["wq_a"]["weight"], p["wkv"]["weight"], fp8)
+    q_res = rms_norm(q_a, p["q_norm"]["weight"], cfg.rms_norm_eps)
     q = linear(q_res, p["wq_b"]["weight"], fp8).reshape(*x.shape[:-1], h, k)
     if cfg.q_head_norm:
         q = unit_rms_norm(q, cfg.rms_norm_eps)
     q = _rotate(q, pos, inv_freq, heads=True)
-    kv = rms_norm(linear(x, p["wkv"]["weight"], fp8), p["kv_norm"]["weight"], cfg.rms_norm_eps)
+    kv = rms_norm(kv, p["kv_norm"]["weight"], cfg.rms_norm_eps)
     kv = _rotate(kv, pos, inv_freq, heads=False)
     return q_res, q, kv
 

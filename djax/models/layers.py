@@ -141,8 +141,7 @@ def linear(x: jax.Array, w: jax.Array, fp8: str | None = None) -> jax.Array:
     # partitioned by rows: under a batch-split mesh each device runs the GEMM on its own rows
     if takes_fp8_gemm(w):
         ue8m0, scale = has_ue8m0_scales(w), w.scale.astype(jnp.float32)
-        limit = FP8_QUANT_GEMM_MAX_ROWS if ue8m0 else FP8_QUANT_GEMM_MAX_ROWS_PLAIN
-        if rows.shape[0] <= limit:  # quantized inside the GEMM
+        if _quantized_inside(rows, w):
             y = partition.fp8_quant_gemm(fp8)(rows, w.values, scale, ue8m0)
         else:
             from djax.kernels.fp8_gemm_ref import quantize_act
@@ -154,6 +153,31 @@ def linear(x: jax.Array, w: jax.Array, fp8: str | None = None) -> jax.Array:
     else:
         return jnp.einsum("...i,oi->...o", x, dense(w, x.dtype))
     return y.reshape(*x.shape[:-1], y.shape[-1])
+
+
+def _quantized_inside(rows: jax.Array, w: QArray) -> bool:
+    """Whether `linear` runs w (`takes_fp8_gemm`) through `fp8_quant_gemm` for these rows: up to
+    FP8_QUANT_GEMM_MAX_ROWS with UE8M0 scales, FP8_QUANT_GEMM_MAX_ROWS_PLAIN with plain ones."""
+    limit = FP8_QUANT_GEMM_MAX_ROWS if has_ue8m0_scales(w) else FP8_QUANT_GEMM_MAX_ROWS_PLAIN
+    return rows.shape[0] <= limit
+
+
+def linear_pair(x: jax.Array, w, w2, fp8: str | None = None) -> tuple[jax.Array, jax.Array]:
+    """(linear(x, w, fp8), linear(x, w2, fp8)): two projections of the same x. Where `linear` would run both
+    through `fp8_quant_gemm` with the same kind of scales, they run in one launch (`fp8_quant_gemm_pair`):
+    at a decode step each of these small GEMMs costs more in its start and its split-K sum than in its
+    weight bytes."""
+    pair = fp8 is not None and all(isinstance(v, QArray) and takes_fp8_gemm(v) for v in (w, w2))
+    rows = x.reshape(-1, x.shape[-1])
+    if pair and has_ue8m0_scales(w) == has_ue8m0_scales(w2) and _quantized_inside(rows, w):
+        from djax.kernels import partition  # here: the kernel modules import Triton
+
+        f32 = jnp.float32
+        ys = partition.fp8_quant_gemm_pair(fp8)(
+            rows, w.values, w.scale.astype(f32), w2.values, w2.scale.astype(f32), has_ue8m0_scales(w)
+        )
+        return tuple(y.reshape(*x.shape[:-1], y.shape[-1]) for y in ys)
+    return linear(x, w, fp8), linear(x, w2, fp8)
 
 
 def grouped_linear(x: jax.Array, w, fp8: str | None = None) -> jax.Array:
@@ -258,8 +282,8 @@ def swiglu(
     x: jax.Array, w1: jax.Array, w2: jax.Array, w3: jax.Array, limit: float = 0.0, fp8: str | None = None
 ) -> jax.Array:
     """w2(silu(w1 x) * w3 x); with limit > 0 the gate is clamped above and the up branch on both sides.
-    `fp8`: as for `linear`."""
-    return linear(swiglu_act(linear(x, w1, fp8), linear(x, w3, fp8), limit), w2, fp8)
+    `fp8`: as for `linear` (w1 and w3 as a `linear_pair`)."""
+    return linear(swiglu_act(*linear_pair(x, w1, w3, fp8), limit), w2, fp8)
 
 
 def swiglu_act(gate: jax.Array, up: jax.Array, limit: float = 0.0) -> jax.Array:

@@ -147,3 +147,23 @@ def test_fp8_quant_gemm_sweep_and_run(tmp_path, monkeypatch):
     assert set(row["rounds"][0]) == names and all(t > 0 for t in row["rounds"][0].values())
     pytest.importorskip("matplotlib")
     assert (tmp_path / "fp8_quant_gemm_ab.png").stat().st_size > 0
+
+
+def test_fp8_quant_gemm_pairs_run(tmp_path, monkeypatch):
+    """ab_fp8_quant_gemm --pairs on the CPU, where both variants take the references: two calls against one
+    pair call, UE8M0 and (up to 16 rows) plain scales, each checked against the two references and timed."""
+    import ab_fp8_quant_gemm as ab
+    import bench_kernels
+
+    argv = "--pairs 256+128x256 --rows 2 --rounds 1 --weight-mb 0 --out".split() + [str(tmp_path)]
+    monkeypatch.setattr(sys, "argv", ["ab_fp8_quant_gemm.py", *argv])
+    monkeypatch.setattr(bench_kernels, "measure_ceilings", lambda: (3e12, 8e14))
+    ab.main()
+    res = json.loads((tmp_path / "fp8_quant_gemm_pair_ab.json").read_text())
+    (row,) = res["rows"]
+    assert (row["m"], row["n"], row["n1"], row["k"]) == (2, 384, 256, 256)
+    names = {"two calls ue8m0", "pair ue8m0", "two calls plain", "pair plain"}
+    assert set(row["rel_err"]) == names and all(e == 0.0 for e in row["rel_err"].values())
+    assert set(row["rounds"][0]) == names and all(t > 0 for t in row["rounds"][0].values())
+    pytest.importorskip("matplotlib")
+    assert (tmp_path / "fp8_quant_gemm_pair_ab.png").stat().st_size > 0

@@ -15,7 +15,7 @@ import triton
 import triton.language as tl
 from checks import assert_close, needs_triton_interp
 
-from djax.kernels.fp8_gemm import fp8_quant_gemm
+from djax.kernels.fp8_gemm import fp8_quant_gemm, fp8_quant_gemm_pair
 from djax.kernels.fp8_gemm_ref import quantize_act
 from djax.kernels.fp8_quant_triton import (
     QUANT_CFG,
@@ -107,6 +107,44 @@ def test_triton_kernel_matches_reference(m, n, k, cfg, ue8m0):
     assert not np.asarray(got)[-1].any()  # the zero row stays zero
     assert np.asarray(got)[0].any()
     assert_close(got, want, 1e-6)
+
+
+@needs_triton_interp
+@pytest.mark.parametrize(
+    "m, n, n2, k, cfg",
+    [
+        (5, 256, 128, 384, SMALL),  # a partial row tile, 8 + 4 column tiles
+        (3, 128, 256, 640, Fp8Config(16, 128, 128, 4, 1, split_k=3)),  # K split, the last split short
+        (7, 384, 128, 512, QuantConfig(8, 64, 128, 4, 1, split_k=2, swap_ab=True)),  # swapped 8-row tiles
+        (20, 128, 128, 256, QuantConfig(16, 128, 128, 4, 1, swap_ab=True)),  # two row tiles
+    ],
+)
+@pytest.mark.parametrize("ue8m0", [False, True])
+def test_pair_kernel_matches_two_references(m, n, n2, k, cfg, ue8m0):
+    """The pair kernel (interpreted, "bits") gives each weight's product as `fp8_quant_gemm`'s reference does;
+    the pair's reference is the two references exactly."""
+    rng = np.random.default_rng(m + n + n2 + k)
+    a, w, w2 = _acts(rng, m, k), _weight(rng, n, k), _weight(rng, n2, k)
+    want = [fp8_quant_gemm(a, v.values, v.scale, ue8m0, impl="ref") for v in (w, w2)]
+    ref = fp8_quant_gemm_pair(a, w.values, w.scale, w2.values, w2.scale, ue8m0, impl="ref")
+    for r, x in zip(ref, want, strict=True):
+        np.testing.assert_array_equal(np.asarray(r), np.asarray(x))
+    got = fp8_quant_gemm_pair(a, w.values, w.scale, w2.values, w2.scale, ue8m0, impl="interpret", cfg=cfg)
+    assert [g.shape for g in got] == [(m, n), (m, n2)]
+    for g, x in zip(got, want, strict=True):
+        assert not np.asarray(g)[-1].any() and np.asarray(g)[0].any()
+        assert_close(g, x, 1e-6)
+
+
+def test_pair_refuses_mismatched_weights():
+    rng = np.random.default_rng(3)
+    a, w, w2 = _acts(rng, 2, 256), _weight(rng, 128, 256), _weight(rng, 128, 384)
+    with pytest.raises(ValueError, match="b has shape"):
+        fp8_quant_gemm_pair(a, w.values, w.scale, w2.values, w2.scale, impl="ref")
+    from djax.kernels.fp8_quant_triton import constexprs
+
+    with pytest.raises(ValueError, match="first weight's 64 rows"):
+        constexprs(2, 256, 256, False, "cast", SMALL, n1=64)
 
 
 @needs_triton_interp
@@ -254,6 +292,24 @@ def test_kernel_compiles_to_sm90_cubin_at_v4_flash_shapes(m, n, k, ue8m0, roundi
     assert 0 < kern.shared_bytes <= MAX_SHARED_BYTES
 
 
+@pytest.mark.parametrize("m, n1, n2", [(1, 1024, 512), (8, 1024, 1024), (32, 2048, 2048)])
+def test_pair_kernel_compiles_to_sm90_cubin_at_v4_flash_pairs(m, n1, n2):
+    """wq_a with wkv, a compressor's wkv with wgate, the shared expert's w1 with w3 (k 4096): the pair kernel at
+    its default tiles fits sm_90's shared memory (no GPU needed)."""
+    pytest.importorskip("triton")
+    from djax.ffi.cubin import MAX_SHARED_BYTES, compile_triton
+    from djax.kernels import fp8_quant_triton as qk
+
+    k = 4096
+    cfg = quant_config(m, n1 + n2, k)
+    cx = qk.constexprs(m, n1 + n2, k, True, "cast", cfg, n1)
+    out = jnp.float32 if cfg.split_k > 1 else jnp.bfloat16
+    names = ["a_ptr", "b_ptr", "bs_ptr", "b2_ptr", "bs2_ptr", "c_ptr"]
+    dtypes = [jnp.bfloat16, jnp.float8_e4m3fn, jnp.float32, jnp.float8_e4m3fn, jnp.float32, out]
+    kern = compile_triton(qk.fp8_quant_gemm_pair_kernel, names, dtypes, cx, 4, cfg.num_stages)
+    assert kern.binary[:4] == b"\x7fELF" and 0 < kern.shared_bytes <= MAX_SHARED_BYTES
+
+
 def test_under_jit_matches_numpy():
     rng = np.random.default_rng(5)
     a, w = _acts(rng, 6, 256), _weight(rng, 128, 256)
@@ -279,6 +335,27 @@ def test_triton_on_the_gpu_matches_reference(m, ue8m0):
     got = fp8_quant_gemm(a, w.values, w.scale, ue8m0, impl="triton")
     assert got.dtype == jnp.bfloat16 and got.shape == (m, 2048)
     assert_close(got.astype(jnp.float32), want.astype(jnp.float32), 2**-10)
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("m", [1, 12, 32])
+@pytest.mark.parametrize("ue8m0", [False, True])
+def test_pair_on_the_gpu_matches_two_calls_and_reference(m, ue8m0):
+    """wq_a with wkv (1024 + 512 rows, k 4096) at the pair's default tiles: each product within the single
+    kernel's bound of the reference (above), and within 2^-12 of the single kernel's own result: the programs
+    compute the same float32 partials (here at the same 16 K splits; XLA sums them for arrays of other
+    widths), so at most a rare bf16 rounding may differ, where reading the other weight's rows or scales
+    would move the result by far more."""
+    rng = np.random.default_rng(100 + m)
+    a = _acts(rng, m, 4096, jnp.bfloat16, spread=(0.5, 2.0))
+    w, w2 = _weight(rng, 1024, 4096), _weight(rng, 512, 4096)
+    got = fp8_quant_gemm_pair(a, w.values, w.scale, w2.values, w2.scale, ue8m0, impl="triton")
+    for g, v in zip(got, (w, w2), strict=True):
+        assert g.dtype == jnp.bfloat16 and g.shape == (m, v.values.shape[0])
+        want = fp8_quant_gemm(a, v.values, v.scale, ue8m0, impl="ref")
+        assert_close(g.astype(jnp.float32), want.astype(jnp.float32), 2**-10)
+        single = fp8_quant_gemm(a, v.values, v.scale, ue8m0, impl="triton")
+        assert_close(g.astype(jnp.float32), single.astype(jnp.float32), 2**-12)
 
 
 @pytest.mark.gpu

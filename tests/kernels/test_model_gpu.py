@@ -167,7 +167,8 @@ def test_decode_fp8_model_auto_within_bf16_error(monkeypatch, scale_fmt):
     prefilling and decoding with kernels="auto" (activations quantized 1x128, then the CUDA kernels of
     fp8_gemm, of the FP8 gate/up kernel and of the FP8 grouped GEMM) against kernels="ref" (the same
     quantization, their jnp references), both bf16, judged against a float32 run of "ref". The decode steps'
-    projections (4 rows) quantize inside the GEMM (`fp8_quant_gemm`), with plain or UE8M0 (V4's) scales."""
+    projections (4 rows) quantize inside the GEMM (`fp8_quant_gemm`, two of one x in one launch through
+    `fp8_quant_gemm_pair`), with plain or UE8M0 (V4's) scales."""
     from djax.kernels import fp8_gemm as kfp8
 
     jax.clear_caches()
@@ -188,7 +189,13 @@ def test_decode_fp8_model_auto_within_bf16_error(monkeypatch, scale_fmt):
     lens = jnp.array([64, 40, 17, 5], jnp.int32)
 
     impls = []
-    ops = {"fp8_gemm", "fp8_quant_gemm", "grouped_contiguous", "grouped_swiglu_contiguous"}
+    ops = {
+        "fp8_gemm",
+        "fp8_quant_gemm",
+        "fp8_quant_gemm_pair",
+        "grouped_contiguous",
+        "grouped_swiglu_contiguous",
+    }
     for op in ops:
         fn = getattr(kfp8, op)
         monkeypatch.setattr(
@@ -209,6 +216,7 @@ def test_decode_fp8_model_auto_within_bf16_error(monkeypatch, scale_fmt):
     assert "fp8_gemm_kernel" in launched, launched  # Triton's FP8 GEMM: projections and the experts' down
     assert "fp8_swiglu_kernel" in launched, launched  # the experts' gate, up and SwiGLU
     assert "fp8_quant_gemm_kernel" in launched, launched  # the decode steps' projections
+    assert "fp8_quant_gemm_pair_kernel" in launched, launched  # two of one x: the shared expert's w1 and w3
     err_slow, err_fast = _typical_rel(slow, truth), _typical_rel(fast, truth)
     assert err_fast <= 2 * err_slow + 1e-3, (err_fast, err_slow)
 

@@ -20,6 +20,7 @@ from djax.models.layers import (
     FP8_WEIGHT_MAX_ROWS,
     grouped_linear,
     linear,
+    linear_pair,
     takes_fp8_gemm,
     takes_fp8_weight_gemm,
 )
@@ -91,6 +92,40 @@ def test_linear_quantizes_inside_the_gemm_for_few_rows(scale_fmt, monkeypatch):
         assert calls == [(path, rows)], (rows, calls)
         want = _numpy_fp8_linear(x, w)
         assert np.abs(got - want).max() <= 1e-5 * np.abs(want).max()
+
+
+def test_linear_pair_runs_two_projections_of_one_x_in_one_call_where_both_would_quantize_inside(monkeypatch):
+    """Both weights FP8 with the same kind of scales, at few rows: one `fp8_quant_gemm_pair` call, each product
+    exactly `linear`'s; scales of two kinds, more rows than the quantizing GEMM takes, a bf16 weight, or no
+    fp8 impl: the two `linear`s."""
+    calls = []
+    for name in ("fp8_quant_gemm", "fp8_quant_gemm_pair", "fp8_gemm"):
+        real = getattr(kfp8, name)
+        spy = lambda *a, name=name, real=real, **kw: calls.append(name) or real(*a, **kw)  # noqa: E731
+        monkeypatch.setattr(kfp8, name, spy)
+    rng = jax.random.split(jax.random.key(8), 3)
+    raw = [jax.random.normal(r, (n, 256), jnp.float32) * 0.05 for r, n in zip(rng, (256, 128), strict=False)]
+    x = jax.random.normal(rng[2], (3, 256), jnp.float32) * jnp.linspace(0.1, 4.0, 256)
+    for fmt in (None, "ue8m0"):
+        w, w2 = (quantize(r, scale_fmt=fmt) for r in raw)
+        calls.clear()
+        got = linear_pair(x, w, w2, fp8="ref")
+        assert calls == ["fp8_quant_gemm_pair"], calls
+        for g, v in zip(got, (w, w2), strict=True):
+            np.testing.assert_array_equal(np.asarray(g), np.asarray(linear(x, v, fp8="ref")))
+    plain, pow2 = quantize(raw[0]), quantize(raw[1], scale_fmt="ue8m0")
+    cases = [
+        ((x, plain, pow2, "ref"), ["fp8_quant_gemm"] * 2),  # scales of two kinds
+        ((jnp.tile(x, (11, 1)), plain, quantize(raw[1]), "ref"), ["fp8_gemm"] * 2),  # 33 rows
+        ((x, plain, raw[1].astype(jnp.bfloat16), "ref"), ["fp8_quant_gemm"]),  # a bf16 weight: dense
+        ((x, plain, quantize(raw[1]), None), []),  # no fp8 impl: both dense
+    ]
+    for args, want in cases:
+        calls.clear()
+        got = linear_pair(*args)
+        assert calls == want, (want, calls)
+        for g, v in zip(got, args[1:3], strict=True):
+            np.testing.assert_array_equal(np.asarray(g), np.asarray(linear(args[0], v, args[3])))
 
 
 @pytest.mark.parametrize(
@@ -268,16 +303,46 @@ _WEIGHT_AT = {
 
 def _record_fp8_kernels(monkeypatch) -> dict[str, list]:
     """The weight shapes `fp8_gemm`, `grouped_contiguous` and `grouped_swiglu_contiguous` (its gate's) are
-    traced with from now on, by op."""
-    calls = {op: [] for op in _WEIGHT_AT}
+    traced with from now on, by op; `fp8_quant_gemm_pair`'s as (first, second) pairs."""
+    calls = {op: [] for op in [*_WEIGHT_AT, "fp8_quant_gemm_pair"]}
     for op, seen in calls.items():
-        fn, at = getattr(kfp8, op), _WEIGHT_AT[op]
+        fn = getattr(kfp8, op)
+        if op == "fp8_quant_gemm_pair":
+            shapes = lambda a: (tuple(a[1].shape), tuple(a[3].shape))  # noqa: E731
+        else:
+            shapes = lambda a, at=_WEIGHT_AT[op]: tuple(a[at].shape)  # noqa: E731
         monkeypatch.setattr(
-            kfp8,
-            op,
-            lambda *a, fn=fn, at=at, seen=seen, **kw: seen.append(tuple(a[at].shape)) or fn(*a, **kw),
+            kfp8, op, lambda *a, fn=fn, f=shapes, seen=seen, **kw: seen.append(f(a)) or fn(*a, **kw)
         )
     return calls
+
+
+# Projections of the same activations that `linear_pair` runs in one launch where both are FP8 in DeepGEMM's
+# layout: (first weight, second weight), siblings in one module
+PAIRS = (("wq_a", "wkv"), ("wkv", "wgate"), ("w1", "w3"))
+
+
+def _decode_split(params, projections: list) -> dict:
+    """A decode step's expected quantizing-GEMM calls: {"fp8_quant_gemm": the projections (weight shapes) not in
+    a pair, "fp8_quant_gemm_pair": the (first, second) shapes of the pairs both of whose weights take
+    `fp8_gemm`}, from the parameter names."""
+    eligible = {
+        name.removesuffix(".weight"): tuple(w.values.shape)
+        for name, w in flatten_names(params).items()
+        if takes_fp8_gemm(w)
+    }
+    pairs = []
+    for path in eligible:
+        parent, _, leaf = path.rpartition(".")
+        for first, second in PAIRS:
+            if leaf == first and f"{parent}.{second}" in eligible:
+                pairs.append((eligible[path], eligible[f"{parent}.{second}"]))
+    single = list(projections)
+    for pair in pairs:
+        for shape in pair:
+            single.remove(shape)
+    assert pairs, "no pair in this model: the pair path is not tested"
+    return {"fp8_quant_gemm": sorted(single), "fp8_quant_gemm_pair": sorted(pairs)}
 
 
 def _logits_off_and_ref(run, params, tokens, calls, expected) -> dict:
@@ -318,6 +383,7 @@ def _v4_fp8_model(scale_fmt=None):
         "fp8_gemm": projections,
         "grouped_swiglu_contiguous": [(e, f, d)] * cfg.num_hidden_layers,
         "grouped_contiguous": [(e, d, f)] * cfg.num_hidden_layers,
+        "fp8_quant_gemm_pair": [],  # a decode step's (`_decode_split`)
     }
     return cfg, params, expected
 
@@ -325,12 +391,15 @@ def _v4_fp8_model(scale_fmt=None):
 @pytest.mark.parametrize("scale_fmt", [None, "ue8m0"])
 def test_decode_runs_fp8_weights_through_fp8_kernels(monkeypatch, scale_fmt):
     """kernels="ref": every 128-multiple projection of a decode step goes through fp8_quant_gemm (a decode
-    step's few rows quantized inside the GEMM; once per trace) and every layer's routed experts through the
+    step's few rows quantized inside the GEMM; once per trace), two of one x together through
+    fp8_quant_gemm_pair and every layer's routed experts through the
     FP8 gate/up kernel and one FP8 grouped GEMM; the logits stay near the dense path's, which does not round
     activations. "ue8m0": V4's power-of-two weight scales, and so power-of-two activation scales."""
     cfg, params, expected = _v4_fp8_model(scale_fmt)
-    # a decode step's few rows: the projections quantize them inside the GEMM, with either kind of scale
-    expected["fp8_quant_gemm"], expected["fp8_gemm"] = expected["fp8_gemm"], []
+    # a decode step's few rows: the projections quantize them inside the GEMM, with either kind of scale,
+    # those of one x in pairs
+    expected |= _decode_split(params, expected["fp8_gemm"])
+    expected["fp8_gemm"] = []
     calls = _record_fp8_kernels(monkeypatch)
 
     b, n = 2, 24
@@ -452,19 +521,21 @@ def _v3_fp8_model():
         "fp8_gemm": projections,
         "grouped_swiglu_contiguous": [(e, f, d)] * moe_layers,
         "grouped_contiguous": [(e, d, f)] * moe_layers,
+        "fp8_quant_gemm_pair": [],  # a decode step's (`_decode_split`)
     }
     return cfg, params, expected
 
 
 def test_v3_decode_runs_fp8_weights_through_fp8_kernels(monkeypatch):
     """V3's decode step under kernels="ref": every FP8 projection in DeepGEMM's layout through fp8_quant_gemm
-    (the step's two rows quantized inside the GEMM; wkv_b, split per head, made dense) and each MoE layer's
+    (or with its sibling through fp8_quant_gemm_pair: w1 and w3) (the step's two rows quantized inside the GEMM; wkv_b, split per head, made dense) and each MoE layer's
     routed experts through the FP8 gate/up kernel and one FP8 grouped GEMM; "off" through neither; the logits
     near the dense path's."""
     from djax.models import deepseek_v3 as v3
 
     cfg, params, expected = _v3_fp8_model()
-    expected["fp8_quant_gemm"], expected["fp8_gemm"] = expected["fp8_gemm"], []
+    expected |= _decode_split(params, expected["fp8_gemm"])
+    expected["fp8_gemm"] = []
     calls = _record_fp8_kernels(monkeypatch)
 
     b, n = 2, 16
