@@ -104,17 +104,19 @@ def plot(result: dict, path: str) -> None:
     plot_rounds(panels, "two calls ue8m0" if pairs else "two-step", 0.7, suptitle, path)
 
 
-def make_sets(m, n, k, weight_bytes):
+def make_sets(m, n, k, weight_bytes, seed=0):
+    """Input sets (x, codes, scales, the bf16 weight) over at least `weight_bytes` of weights; `seed` draws
+    other ones (a second weight of a pair: the same keys would give the first one's leading rows)."""
     sets = []
     for i in range(max(3, -(-weight_bytes // (n * k)))):
-        kx, kw = jax.random.split(jax.random.key(1000 * m + i))
+        kx, kw = jax.random.split(jax.random.fold_in(jax.random.key(1000 * m + i), seed))
         w = quantize(jax.random.normal(kw, (n, k), jnp.float32) * 0.05)
         x = jax.random.normal(kx, (m, k), jnp.float32).astype(jnp.bfloat16)
         sets.append(jax.block_until_ready((x, w.values, w.scale, w.dense(jnp.bfloat16))))
     return sets
 
 
-def run_pairs(args, copy_bw, res) -> None:
+def run_pairs(args, res) -> None:
     """--pairs: per pair of weights (n1+n2 x k) and row count, two `fp8_quant_gemm` calls against one
     `fp8_quant_gemm_pair`, each checked against the two references first."""
     from bench_tilelang import rel_err
@@ -124,7 +126,7 @@ def run_pairs(args, copy_bw, res) -> None:
             widths, k = pair.split("x")
             n1, n2, k = *(int(w) for w in widths.split("+")), int(k)
             firsts = make_sets(m, n1, k, args.weight_mb * 1_000_000 * n1 // (n1 + n2))
-            seconds = make_sets(m, n2, k, args.weight_mb * 1_000_000 * n2 // (n1 + n2))
+            seconds = make_sets(m, n2, k, args.weight_mb * 1_000_000 * n2 // (n1 + n2), seed=1)
             count = min(len(firsts), len(seconds))
             sets = [(*a[:3], *b[1:3]) for a, b in zip(firsts[:count], seconds[:count], strict=True)]
             kinds = (True, False) if m <= 16 else (True,)
@@ -187,7 +189,7 @@ def main():
     res["rows"] = []
     print("copy", copy_bw / 1e12, "TB/s", flush=True)
     if args.pairs:
-        run_pairs(args, copy_bw, res)
+        run_pairs(args, res)
         return
     for m in [int(r) for r in args.rows.split(",")]:
         for n, k in shapes:

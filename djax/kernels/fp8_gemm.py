@@ -171,8 +171,8 @@ def fp8_quant_gemm_pair(
     columns) and rounding as there. Returns ([m, n], [m, n2]) in a's dtype."""
     from djax.kernels import fp8_quant_triton as qk
 
-    shapes.fp8_quant(a, b, b_scale)
-    shapes.fp8_quant(a, b2, b2_scale)
+    shapes.fp8_quant(a, b, b_scale, "fp8_quant_gemm_pair")
+    shapes.fp8_quant(a, b2, b2_scale, "fp8_quant_gemm_pair", ("b2", "b2_scale"))
     impl = resolve(impl, QUANT_IMPLS)
     n1 = b.shape[0]
     if impl == "ref":

@@ -35,7 +35,9 @@ c[s]; the caller sums c over its first axis.
 and wkv, a compressor's wkv and wgate, a SwiGLU's w1 and w3): the first weight's column tiles, then the
 second's, each program the same as the single kernel's (`_quant_gemm_program`; the single kernel compiles to
 the same SASS as before that function was split out, checked for sm_90 at four shapes and both scale
-kinds). At a decode step each such GEMM costs more in its start and its split-K sum than in its weights.
+kinds). At one row each such GEMM took 4.4-6.3 us on an H100 for 0.7-2.8 us of weight bytes at copy speed
+(the 512-2048 x 4096 projections, NOTES.md). The pair's K splits follow from both weights' tiles, so they may
+be fewer than each weight's alone (8 against 16 for two 2048 x 4096 weights at one row).
 """
 
 from __future__ import annotations

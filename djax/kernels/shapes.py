@@ -27,18 +27,20 @@ def fp8_dense(a, a_scale, b, b_scale) -> None:
     expect("fp8_gemm", "b_scale", b_scale, (scale_blocks(b.shape[0]), scale_blocks(k)))
 
 
-def fp8_quant(a, b, b_scale) -> None:
-    """a [m, k] (not quantized), b [n, k] e4m3, b_scale [n / 128, k / 128]; n and k multiples of 128."""
-    op = "fp8_quant_gemm"
+def fp8_quant(a, b, b_scale, op: str = "fp8_quant_gemm", names: tuple[str, str] = ("b", "b_scale")) -> None:
+    """a [m, k] (not quantized), b [n, k] e4m3, b_scale [n / 128, k / 128]; n (at least 128) and k multiples of
+    128. `op` and `names` (b's and b_scale's) name them in the errors."""
     expect(op, "a", a, (None, None))
     m, k = a.shape
-    expect(op, "b", b, (None, k))
+    expect(op, names[0], b, (None, k))
     n = b.shape[0]
-    if n % 128 or k % 128:
-        raise ValueError(f"{op}: n {n} and k {k} must be multiples of 128 (whole 128 x 128 scale blocks)")
-    expect(op, "b_scale", b_scale, (n // 128, k // 128))
+    if n % 128 or k % 128 or n == 0:
+        raise ValueError(
+            f"{op}: n {n} and k {k} must be multiples of 128 (whole 128 x 128 scale blocks), n not 0"
+        )
+    expect(op, names[1], b_scale, (n // 128, k // 128))
     if b.dtype != jnp.float8_e4m3fn:
-        raise ValueError(f"{op}: b must hold float8_e4m3fn codes, got {b.dtype}")
+        raise ValueError(f"{op}: {names[0]} must hold float8_e4m3fn codes, got {b.dtype}")
 
 
 def fp8_weight(a, b, b_scale, block) -> None:

@@ -165,8 +165,7 @@ def _quantized_inside(rows: jax.Array, w: QArray) -> bool:
 def linear_pair(x: jax.Array, w, w2, fp8: str | None = None) -> tuple[jax.Array, jax.Array]:
     """(linear(x, w, fp8), linear(x, w2, fp8)): two projections of the same x. Where `linear` would run both
     through `fp8_quant_gemm` with the same kind of scales, they run in one launch (`fp8_quant_gemm_pair`):
-    at a decode step each of these small GEMMs costs more in its start and its split-K sum than in its
-    weight bytes."""
+    at one row each of these small GEMMs took more time than its weight bytes need (`fp8_quant_triton`)."""
     pair = fp8 is not None and all(isinstance(v, QArray) and takes_fp8_gemm(v) for v in (w, w2))
     rows = x.reshape(-1, x.shape[-1])
     if pair and has_ue8m0_scales(w) == has_ue8m0_scales(w2) and _quantized_inside(rows, w):

@@ -139,8 +139,11 @@ def test_pair_kernel_matches_two_references(m, n, n2, k, cfg, ue8m0):
 def test_pair_refuses_mismatched_weights():
     rng = np.random.default_rng(3)
     a, w, w2 = _acts(rng, 2, 256), _weight(rng, 128, 256), _weight(rng, 128, 384)
-    with pytest.raises(ValueError, match="b has shape"):
+    with pytest.raises(ValueError, match="fp8_quant_gemm_pair: b2 has shape"):
         fp8_quant_gemm_pair(a, w.values, w.scale, w2.values, w2.scale, impl="ref")
+    empty = jnp.zeros((0, 256), jnp.float8_e4m3fn)
+    with pytest.raises(ValueError, match="n not 0"):
+        fp8_quant_gemm_pair(a, w.values, w.scale, empty, jnp.zeros((0, 2), jnp.float32), impl="ref")
     from djax.kernels.fp8_quant_triton import constexprs
 
     with pytest.raises(ValueError, match="first weight's 64 rows"):
@@ -342,10 +345,10 @@ def test_triton_on_the_gpu_matches_reference(m, ue8m0):
 @pytest.mark.parametrize("ue8m0", [False, True])
 def test_pair_on_the_gpu_matches_two_calls_and_reference(m, ue8m0):
     """wq_a with wkv (1024 + 512 rows, k 4096) at the pair's default tiles: each product within the single
-    kernel's bound of the reference (above), and within 2^-12 of the single kernel's own result: the programs
-    compute the same float32 partials (here at the same 16 K splits; XLA sums them for arrays of other
-    widths), so at most a rare bf16 rounding may differ, where reading the other weight's rows or scales
-    would move the result by far more."""
+    kernel's bound of the reference (above), and element by element within one bf16 step of the single
+    kernel's own result, at most 1% of the elements differing at all: the programs compute the same float32
+    partials (here at the same 16 K splits), which XLA sums for arrays of another width, so a sum may round to
+    the neighbouring bf16 value; reading the other weight's rows or scales would move every element."""
     rng = np.random.default_rng(100 + m)
     a = _acts(rng, m, 4096, jnp.bfloat16, spread=(0.5, 2.0))
     w, w2 = _weight(rng, 1024, 4096), _weight(rng, 512, 4096)
@@ -354,8 +357,10 @@ def test_pair_on_the_gpu_matches_two_calls_and_reference(m, ue8m0):
         assert g.dtype == jnp.bfloat16 and g.shape == (m, v.values.shape[0])
         want = fp8_quant_gemm(a, v.values, v.scale, ue8m0, impl="ref")
         assert_close(g.astype(jnp.float32), want.astype(jnp.float32), 2**-10)
-        single = fp8_quant_gemm(a, v.values, v.scale, ue8m0, impl="triton")
-        assert_close(g.astype(jnp.float32), single.astype(jnp.float32), 2**-12)
+        single = np.asarray(fp8_quant_gemm(a, v.values, v.scale, ue8m0, impl="triton"), np.float32)
+        g = np.asarray(g, np.float32)
+        np.testing.assert_allclose(g, single, rtol=2**-7, atol=0)  # one bf16 step of 8 significant bits
+        assert np.mean(g != single) <= 0.01, np.mean(g != single)
 
 
 @pytest.mark.gpu

@@ -216,7 +216,7 @@ def test_decode_fp8_model_auto_within_bf16_error(monkeypatch, scale_fmt):
     assert "fp8_gemm_kernel" in launched, launched  # Triton's FP8 GEMM: projections and the experts' down
     assert "fp8_swiglu_kernel" in launched, launched  # the experts' gate, up and SwiGLU
     assert "fp8_quant_gemm_kernel" in launched, launched  # the decode steps' projections
-    assert "fp8_quant_gemm_pair_kernel" in launched, launched  # two of one x: the shared expert's w1 and w3
+    assert "fp8_quant_gemm_pair_kernel" in launched, launched  # two of one x: shared w1 and w3, compressors
     err_slow, err_fast = _typical_rel(slow, truth), _typical_rel(fast, truth)
     assert err_fast <= 2 * err_slow + 1e-3, (err_fast, err_slow)
 

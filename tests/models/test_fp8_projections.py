@@ -128,6 +128,31 @@ def test_linear_pair_runs_two_projections_of_one_x_in_one_call_where_both_would_
             np.testing.assert_array_equal(np.asarray(g), np.asarray(linear(args[0], v, args[3])))
 
 
+def test_q_kv_runs_wq_a_and_wkv_as_one_pair(monkeypatch):
+    """With a head dim that is a multiple of 128 (V4-Flash's 512; the tiny configs' 64 is not) wkv is in
+    DeepGEMM's layout too: at a decode step's rows the q LoRA down and KV projections run as one
+    `fp8_quant_gemm_pair` call, and give exactly what the two `linear`s give."""
+
+    cfg = _config().replace(head_dim=128)
+    attn = quantize_projections(init_params_host(cfg), cfg)["layers"][0]["attn"]
+    assert takes_fp8_gemm(attn["wq_a"]["weight"]) and takes_fp8_gemm(attn["wkv"]["weight"])
+    x = jax.random.normal(jax.random.key(9), (2, 1, cfg.hidden_size), jnp.float32).astype(jnp.bfloat16)
+    pos = jnp.array([[5], [40]], jnp.int32)
+    inv_freq = v4._rope(cfg, v4.SLIDING)
+    pairs = []
+    real = kfp8.fp8_quant_gemm_pair
+    monkeypatch.setattr(
+        kfp8, "fp8_quant_gemm_pair", lambda *a, **kw: pairs.append(a[1].shape) or real(*a, **kw)
+    )
+    paired = v4._q_kv(attn, x, pos, cfg, inv_freq, "ref")
+    assert pairs == [attn["wq_a"]["weight"].values.shape], pairs
+    monkeypatch.setattr(v4, "linear_pair", lambda x, w, w2, fp8: (linear(x, w, fp8), linear(x, w2, fp8)))
+    apart = v4._q_kv(attn, x, pos, cfg, inv_freq, "ref")
+    assert len(pairs) == 1
+    for got, want in zip(paired, apart, strict=True):
+        np.testing.assert_array_equal(np.asarray(got, np.float32), np.asarray(want, np.float32))
+
+
 @pytest.mark.parametrize(
     "make, weight_only",
     [
