@@ -9,7 +9,8 @@ from pathlib import Path
 
 import jax
 
-H200_SMS = 132  # the SMs of the GPU the default tilings are sized for (grids that fill it once or twice)
+# The SMs of the GPUs the default tilings were measured on (H100 SXM, H200): `sm_count` off CUDA
+MEASURED_SMS = 132
 
 
 # The compute capability every kernel is built for (Triton's cubins and TileLang's are sm_90: Hopper)
@@ -27,6 +28,20 @@ def on_cuda() -> bool:
     except RuntimeError:
         return False
     return capability is None or str(capability).split(".")[0] == str(KERNEL_ARCH_MAJOR)
+
+
+def sm_count() -> int:
+    """The SMs of the GPU the kernels run on, which the default grids are sized to fill (once, or twice where
+    two programs share an SM): the CUDA device's own count (78 on an H20, 114 on an H100 PCIe), else
+    MEASURED_SMS, so that grids traced off CUDA (tests, CPU meshes) are those of an H100 or H200."""
+    if not on_cuda():
+        return MEASURED_SMS
+    return int(getattr(jax.devices()[0], "core_count", None) or MEASURED_SMS)
+
+
+def per_gpu(programs: int) -> int:
+    """A program count chosen on MEASURED_SMS SMs (256: about two a SM), scaled to this GPU's SMs."""
+    return round(programs * sm_count() / MEASURED_SMS)
 
 
 def has_triton() -> bool:

@@ -14,7 +14,7 @@ import numpy as np
 
 from djax.kernels import dispatch, shapes
 from djax.kernels import fp8_swiglu_triton as sk
-from djax.kernels.dispatch import H200_SMS, resolve
+from djax.kernels.dispatch import resolve, sm_count
 from djax.kernels.fp8_gemm_ref import (
     fp8_gemm_ref,
     fp8_weight_gemm_ref,
@@ -230,14 +230,14 @@ def auto_takes_tilelang(a, b, out_dtype) -> bool:
     if m <= 64:
         faster = t.k_groups > 1
     else:
-        faster = -(-m // t.block_m) * (n // t.block_n) * t.split_k >= 2 * H200_SMS
+        faster = -(-m // t.block_m) * (n // t.block_n) * t.split_k >= 2 * sm_count()
     return faster and dispatch.on_cuda() and dispatch.has_tilelang()
 
 
 def contiguous_takes_tilelang(a, b, out_dtype) -> bool:
     """Whether `grouped_contiguous(impl="auto")` (no Triton config given) runs the TileLang grouped kernel: on
     CUDA with TileLang (and nvcc) installed, for fp8 e4m3 operands with n and k multiples of 128, a bf16 result,
-    and a layout of at least two waves of its tiles (m / 128 x n / block_n >= 2 x 132), as for the dense rule.
+    and a layout of at least two waves of its tiles (m / 128 x n / block_n >= 2 x SMs), as for the dense rule.
     Its tiles are 128 rows, as the Triton default's, so the layout's contract (groups starting at multiples of
     128) is the same either way.
 
@@ -252,7 +252,7 @@ def contiguous_takes_tilelang(a, b, out_dtype) -> bool:
     n = b.shape[1]
     fits = n % 128 == 0 and k % 128 == 0 and m % 128 == 0 and jnp.dtype(out_dtype) == jnp.bfloat16
     fits = fits and a.dtype == b.dtype == jnp.float8_e4m3fn
-    if not fits or m // 128 * (n // default_grouped_tiling(n, k).block_n) < 2 * H200_SMS:
+    if not fits or m // 128 * (n // default_grouped_tiling(n, k).block_n) < 2 * sm_count():
         return False
     return dispatch.on_cuda() and dispatch.has_tilelang()
 

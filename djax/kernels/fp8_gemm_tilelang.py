@@ -33,7 +33,7 @@ import jax
 import jax.numpy as jnp
 
 from djax.kernels import tilelang_build
-from djax.kernels.dispatch import H200_SMS
+from djax.kernels.dispatch import sm_count
 from djax.kernels.tilelang_build import (
     ARCH,
     HOPPER,
@@ -246,7 +246,7 @@ def default_ws_tiling(m: int, n: int, k: int) -> WsTiling:
             return WsTiling(128, 128, max(1, min(3, kb)), panel=8)
         return WsTiling(128, 128, max(1, min(4, kb)))
     for block_n, split in ((128, 1), (64, 1), (128, 2), (64, 2), (128, 4), (32, 1), (64, 4)):
-        if kb % split == 0 and (n // block_n) * split >= 0.9 * H200_SMS:
+        if kb % split == 0 and (n // block_n) * split >= 0.9 * sm_count():
             return WsTiling(64, block_n, max(1, min(6, kb // split)), split_k=split)
     return WsTiling(64, 32, max(1, min(6, kb)))
 
@@ -310,7 +310,7 @@ def default_tiling(m: int, n: int, k: int) -> Tiling:
     if m > 64:
         return Tiling(128, 128, stages)
     for block_n in (128, 64, 32):
-        if -(-m // 64) * (n // block_n) >= 0.9 * H200_SMS:
+        if -(-m // 64) * (n // block_n) >= 0.9 * sm_count():
             return Tiling(64, block_n, stages)
     return Tiling(64, 32, stages)
 

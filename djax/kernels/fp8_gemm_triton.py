@@ -19,7 +19,7 @@ from dataclasses import dataclass, replace
 import triton
 import triton.language as tl
 
-from djax.kernels.dispatch import H200_SMS
+from djax.kernels.dispatch import per_gpu, sm_count
 from djax.kernels.grouped_gemm_triton import GemmConfig, _tile
 
 SCALE_BLOCK = 128
@@ -43,17 +43,17 @@ DECODE_CFG = Fp8Config(block_m=64, block_n=64, block_k=128, num_warps=4, num_sta
 
 def dense_config(m: int, n: int, k: int) -> Fp8Config:
     """The dense kernel's config when none is given. DEFAULT_CFG (prefill, tensor-core bound) where m > 64
-    and its 128 x 128 tiles cover the 132 SMs; otherwise the weights' bytes set the time and the tiles are
-    too few, so DECODE_CFG's 64 x 64 tiles with K split until about two programs (96 KB of shared memory
-    each) can run per SM: the fewest splits of 1, 2, 4 or 8 (dividing the K blocks, two or more each) that
-    make 256 programs, else the most of them.
+    and its 128 x 128 tiles cover the SMs (`dispatch.sm_count`); otherwise the weights' bytes set the time
+    and the tiles are too few, so DECODE_CFG's 64 x 64 tiles with K split until about two programs (96 KB of
+    shared memory each) can run per SM: the fewest splits of 1, 2, 4 or 8 (dividing the K blocks, two or
+    more each) that make 256 programs on 132 SMs (`dispatch.per_gpu`), else the most of them.
 
     On the H200 (bench_kernels' fp8 and fp8_linear sections): at m 64, n 4096, k 7168 split 4 (256
     programs) took 12.9 us against 14.0 split 2 and 18.5 unsplit; at m 1 and 32, n 32768, k 1024 the
     former fixed split of 4 (2,048 programs of two K blocks, then their f32 sum) took 18.8-21.3 us for
     32 MB; at m 128, n 4096, k 8192 128 x 128 tiles (32 programs) took 36.9 us, cuBLAS on a bf16 weight
     22.4."""
-    if m > 64 and -(-m // 128) * -(-n // 128) >= H200_SMS:
+    if m > 64 and -(-m // 128) * -(-n // 128) >= sm_count():
         return DEFAULT_CFG
     tiles = -(-m // DECODE_CFG.block_m) * -(-n // DECODE_CFG.block_n)
     return replace(DECODE_CFG, split_k=fewest_splits(tiles, -(-k // SCALE_BLOCK)))
@@ -61,9 +61,10 @@ def dense_config(m: int, n: int, k: int) -> Fp8Config:
 
 def fewest_splits(tiles: int, k_blocks: int, choices: tuple[int, ...] = (1, 2, 4, 8)) -> int:
     """The K split of a decode GEMM of `tiles` output tiles: the fewest of `choices` splits (dividing the K
-    blocks, two or more each) that make 256 programs, about two per SM, else the most of them."""
+    blocks, two or more each) that make 256 programs on 132 SMs, about two a SM (`dispatch.per_gpu`), else
+    the most of them."""
     splits = [s for s in choices if k_blocks % s == 0 and k_blocks // s >= 2] or [1]
-    return next((s for s in splits if tiles * s >= 256), splits[-1])
+    return next((s for s in splits if tiles * s >= per_gpu(256)), splits[-1])
 
 
 @triton.jit

@@ -89,8 +89,8 @@ SPLITS = (1, 2, 4, 8, 16)
 
 def quant_config(m: int, n: int, k: int) -> QuantConfig:
     """The kernel's tiles when none are given: SWAPPED_CFG up to 8 rows, SWAPPED_WIDE_CFG on 16- or 32-row tiles
-    up to SWAPPED_MAX_ROWS, else QUANT_CFG's on 64-row tiles; K split the fewest ways of SPLITS that make 256
-    programs (each split two K blocks or more), else the most."""
+    up to SWAPPED_MAX_ROWS, else QUANT_CFG's on 64-row tiles; K split the fewest ways of SPLITS that make
+    about two programs per SM (`fp8_gemm_triton.fewest_splits`), else the most."""
     if m <= SWAPPED_CFG.block_m:
         base = SWAPPED_CFG
     elif m <= SWAPPED_MAX_ROWS:

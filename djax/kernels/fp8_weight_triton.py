@@ -25,7 +25,7 @@ from dataclasses import replace
 import triton
 import triton.language as tl
 
-from djax.kernels.dispatch import H200_SMS
+from djax.kernels.dispatch import sm_count
 from djax.kernels.fp8_gemm_triton import Fp8Config, fewest_splits, program_tile, split_k
 
 DECODES = ("cast", "bits")
@@ -45,9 +45,9 @@ FEW_ROWS_CFG = replace(DECODE_CFG, block_m=16, num_stages=6)
 
 def weight_config(m: int, n: int, k: int, groups: int = 1) -> Fp8Config:
     """The kernel's tiles when none are given, by `fp8_gemm_triton.dense_config`'s rule over all `groups`
-    products: PREFILL_CFG where m > 64 and its tiles cover the 132 SMs, else DECODE_CFG (FEW_ROWS_CFG up to
-    FEW_ROWS rows) with K split until about two programs a SM."""
-    if m > 64 and groups * -(-m // 128) * -(-n // 128) >= H200_SMS:
+    products: PREFILL_CFG where m > 64 and its tiles cover the SMs (`dispatch.sm_count`), else DECODE_CFG
+    (FEW_ROWS_CFG up to FEW_ROWS rows) with K split until about two programs a SM."""
+    if m > 64 and groups * -(-m // 128) * -(-n // 128) >= sm_count():
         return PREFILL_CFG
     base = FEW_ROWS_CFG if m <= FEW_ROWS else DECODE_CFG
     tiles = groups * -(-m // base.block_m) * -(-n // base.block_n)

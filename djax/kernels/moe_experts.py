@@ -16,7 +16,7 @@ import jax.numpy as jnp
 import numpy as np
 
 from djax.kernels import fp8_gemm, moe_layout_triton
-from djax.kernels.dispatch import resolve
+from djax.kernels.dispatch import per_gpu, resolve
 from djax.kernels.fp8_gemm_ref import quantize_act
 from djax.kernels.fp8_gemm_triton import Fp8Config, fewest_splits
 from djax.kernels.grouped_gemm import GemmConfig, grouped_gemm, grouped_swiglu, reads_fp4
@@ -148,7 +148,7 @@ def swiglu_config(cfg: GemmConfig, n_picks: int, num_experts: int, n_out: int) -
     """The tiles of the fused gate/up kernel (`fp8_gemm.grouped_swiglu_contiguous`, which has no K split): an
     `Fp8Config` as given (a caller's own tiles), else cfg's with half its columns (the kernel keeps two
     accumulators, gate and up), halved again, down to 32, until the tiles that can hold picks (counted as in
-    `fp8_split`) make 256 programs, about two per SM.
+    `fp8_split`) make 256 programs on 132 SMs, about two a SM (`dispatch.per_gpu`).
 
     H200, V4-Flash experts (bench_kernels --only moe_fp8, kernels_h200_moe_fp8_fused_default.json): one
     token 6 experts x 64 tiles of 32 columns, 55.9 us against 57.1 / 59.0 with 64 / 128 columns; 32 tokens
@@ -157,7 +157,7 @@ def swiglu_config(cfg: GemmConfig, n_picks: int, num_experts: int, n_out: int) -
     if isinstance(cfg, Fp8Config):
         return cfg
     tiles, block_n = row_tiles(n_picks, num_experts, cfg.block_m), max(cfg.block_n // 2, 32)
-    while block_n > 32 and tiles * -(-n_out // block_n) < 256:
+    while block_n > 32 and tiles * -(-n_out // block_n) < per_gpu(256):
         block_n //= 2
     return replace(cfg, block_n=block_n)
 

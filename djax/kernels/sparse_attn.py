@@ -7,7 +7,7 @@ import jax
 import jax.numpy as jnp
 
 from djax.kernels import shapes
-from djax.kernels.dispatch import H200_SMS, has_tilelang, on_cuda, resolve
+from djax.kernels.dispatch import has_tilelang, on_cuda, resolve, sm_count
 from djax.kernels.sparse_attn_ref import combine_splits, sparse_decode_ref
 
 # merge_splits' values, each with the TileLang tiling's merge fields it stands for (merge, dsmem, push, push_bf16)
@@ -124,9 +124,9 @@ def triton_tiling(b: int, h: int, w: int, t: int) -> dict:
     w and t picks. Raises ValueError unless h is a multiple of 16 (the kernel's smallest head block).
 
     From 32 rows of 64-head blocks on, one program takes all 64 heads of a row (each key read once, 8 warps),
-    the keys split until the grid has about one program per SM (`H200_SMS`); below, 16 heads a program (4
-    warps) and splits up to about two programs per SM, so that a few rows still spread over the GPU. Splits
-    are whole key blocks, none empty. Under a mesh the rows are each device's own.
+    the keys split until the grid has about one program per SM (`dispatch.sm_count`); below, 16 heads a
+    program (4 warps) and splits up to about two programs per SM, so that a few rows still spread over the
+    GPU. Splits are whole key blocks, none empty. Under a mesh the rows are each device's own.
 
     H100, 2026-12-06, 64 heads x 512, ring 128 + top-512, device us, two alternating rounds. The sweep
     (`attn_triton_h100_sweep.json`) chose 16 heads with splits below 32 rows (at 32 rows 42.3 us against 35.4
@@ -143,7 +143,7 @@ def triton_tiling(b: int, h: int, w: int, t: int) -> dict:
     key_blocks = -(-max(w + t, 1) // block_s)
     programs = b * (h // block_h)
     per_sm = 1 if block_h == 64 else 2
-    nsplit = max(1, min(key_blocks, round(per_sm * H200_SMS / programs)))
+    nsplit = max(1, min(key_blocks, round(per_sm * sm_count() / programs)))
     nsplit = -(-key_blocks // -(-key_blocks // nsplit))  # whole key blocks a split, none left empty
     warps = 8 if block_h == 64 else 4
     return dict(block_h=block_h, block_s=block_s, num_warps=warps, num_stages=2, nsplit=nsplit)

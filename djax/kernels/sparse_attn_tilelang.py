@@ -33,7 +33,7 @@ import jax
 import jax.numpy as jnp
 
 from djax.kernels import tilelang_build
-from djax.kernels.dispatch import H200_SMS
+from djax.kernels.dispatch import sm_count
 from djax.kernels.sparse_attn_ref import combine_splits
 from djax.kernels.tilelang_build import (
     ARCH,
@@ -1366,7 +1366,7 @@ def default_tiling(b: int, h: int, k: int, w: int, t: int) -> Tiling | None:
 
     From the H200 sweeps (benchmarks/results/kernels_h200_attn_q_early.json, _attn_b8_b32_run1/2.json,
     _attn_dsmem.json, attn_tilings_h200_push_ab.json, _dim_pair_ab.json, _p_in_exchange_ab.json): the
-    warp-specialised program with 64-key steps, the grid covering the 132 SMs about once. Where that takes two
+    warp-specialised program with 64-key steps, the grid covering the SMs about once. Where that takes two
     CTAs per row, the pair splitting the head dim, for head dims of 256 and more with each block's P in the
     score buffer just read and 4 stages (b64: 22.55-22.72 us in four of five alternating rounds, 23.79 in one,
     against 23.17-23.28 in 3 stages with P of its own), else in 3 stages (b64: 23.04-23.30 us against
@@ -1383,8 +1383,8 @@ def default_tiling(b: int, h: int, k: int, w: int, t: int) -> Tiling | None:
     """
     nb = sum(_blocks(w, t, 64))
     ctas = b * max(h // HEADS, 1)
-    nsplit = max(1, min(nb, round(H200_SMS / ctas)))
-    if nsplit > _MAX_CLUSTER and ctas * _MAX_CLUSTER <= H200_SMS:
+    nsplit = max(1, min(nb, round(sm_count() / ctas)))
+    if nsplit > _MAX_CLUSTER and ctas * _MAX_CLUSTER <= sm_count():
         candidates = [Tiling(64, 2, 384, _MAX_CLUSTER, merge=True)]
     elif nsplit == 2:
         # P in the score buffers: measured at head dim 512, run on the GPU at 256 and 512 (smaller heads keep

@@ -99,3 +99,29 @@ def test_auto_takes_the_kernels_only_on_the_gpus_they_are_built_for(monkeypatch,
     assert dispatch.on_cuda() is runs
     monkeypatch.setattr(jax, "default_backend", lambda: "cpu")
     assert dispatch.on_cuda() is False
+
+
+def test_default_grids_follow_the_gpus_sm_count(monkeypatch):
+    """The default tilings fill the GPU they run on: on a Hopper part of 78 SMs (an H20) the splits that
+    sized the grids for 132 SMs shrink with it; off CUDA, or where a device does not say its SM count, the
+    grids are the 132-SM ones they were measured at."""
+    from types import SimpleNamespace
+
+    from djax.kernels import dispatch
+    from djax.kernels.fp8_gemm_triton import fewest_splits
+    from djax.kernels.sparse_attn import triton_tiling
+
+    def grids():
+        splits = [triton_tiling(b, 64, 128, 512)["nsplit"] for b in (8, 32, 64)]
+        return dispatch.sm_count(), dispatch.per_gpu(256), splits, fewest_splits(40, 56)
+
+    measured = (132, 256, [7, 4, 2], 8)
+    assert grids() == measured
+    monkeypatch.setattr(jax, "default_backend", lambda: "gpu")
+    for device, expected in (
+        (SimpleNamespace(compute_capability="9.0", core_count=78), (78, 151, [5, 2, 1], 4)),
+        (SimpleNamespace(compute_capability="9.0", core_count=132), measured),
+        (SimpleNamespace(compute_capability="9.0"), measured),
+    ):
+        monkeypatch.setattr(jax, "devices", lambda *a, d=device: [d])
+        assert grids() == expected

@@ -18,6 +18,16 @@ pytestmark = pytest.mark.gpu
 BF16 = jnp.bfloat16
 
 
+def test_sm_count_is_the_devices_own():
+    """The default grids are sized from the GPU's own SM count: JAX's CUDA device reports it (were it not to,
+    every grid would silently take the 132 of the GPUs the tilings were measured on)."""
+    from djax.kernels import dispatch
+
+    sms = getattr(jax.devices()[0], "core_count", None)
+    assert isinstance(sms, int) and sms > 0
+    assert dispatch.sm_count() == sms
+
+
 @pytest.mark.parametrize(
     "block_h,block_s,warps,nsplit", [(16, 32, 4, 1), (32, 64, 8, 1), (64, 16, 8, 1), (32, 64, 8, 4)]
 )
