@@ -33,7 +33,7 @@ def on_cuda() -> bool:
 def sm_count() -> int:
     """The SMs of the GPU the kernels run on, which the default grids are sized to fill (once, or twice where
     two programs share an SM): the CUDA device's own count (78 on an H20, 114 on an H100 PCIe), else
-    MEASURED_SMS, so that grids traced off CUDA (tests, CPU meshes) are those of an H100 or H200."""
+    MEASURED_SMS, so that grids traced off CUDA (tests, CPU meshes) are those of an H100 SXM or H200."""
     if not on_cuda():
         return MEASURED_SMS
     return int(getattr(jax.devices()[0], "core_count", None) or MEASURED_SMS)

@@ -199,9 +199,9 @@ def fp8_quant_gemm_pair(
 def auto_takes_tilelang(a, b, out_dtype) -> bool:
     """Whether impl="auto" runs the TileLang "ws" kernel: on CUDA with TileLang (and nvcc) installed, for fp8
     e4m3 operands with n and k multiples of 128 and a bf16 result, where it was measured faster than Triton:
-    at prefill when the default tiling's CTAs fill the GPU at least twice over (at 128x256 tiles and n 4,096:
-    m above 2,048), at decode (m <= 64) where the default tiling is the k-group kernel (n 4096 with k 2048,
-    4096, 7168 or 8192, n 7168 with k 4096).
+    at prefill when the default tiling's CTAs fill the GPU at least twice over (on 132 SMs, at 128x256 tiles
+    and n 4,096: m above 2,048), at decode (m <= 64) where the default tiling is the k-group kernel (n 4096
+    with k 2048, 4096, 7168 or 8192, n 7168 with k 4096).
 
     H200, 2026-12-01 (device time): TileLang 1,169 TFLOP/s at 4096x4096x4096 (512 CTAs) and 1,238 at
     4096x7168x7168 (896 CTAs; bench_tilelang.py), Triton 928 at 4096x4096x7168 (bench_kernels.py); at m 64,

@@ -64,7 +64,8 @@ def fewest_splits(tiles: int, k_blocks: int, choices: tuple[int, ...] = (1, 2, 4
     blocks, two or more each) that make 256 programs on 132 SMs, about two a SM (`dispatch.per_gpu`), else
     the most of them."""
     splits = [s for s in choices if k_blocks % s == 0 and k_blocks // s >= 2] or [1]
-    return next((s for s in splits if tiles * s >= per_gpu(256)), splits[-1])
+    programs = per_gpu(256)
+    return next((s for s in splits if tiles * s >= programs), splits[-1])
 
 
 @triton.jit

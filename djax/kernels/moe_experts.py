@@ -157,7 +157,8 @@ def swiglu_config(cfg: GemmConfig, n_picks: int, num_experts: int, n_out: int) -
     if isinstance(cfg, Fp8Config):
         return cfg
     tiles, block_n = row_tiles(n_picks, num_experts, cfg.block_m), max(cfg.block_n // 2, 32)
-    while block_n > 32 and tiles * -(-n_out // block_n) < per_gpu(256):
+    programs = per_gpu(256)
+    while block_n > 32 and tiles * -(-n_out // block_n) < programs:
         block_n //= 2
     return replace(cfg, block_n=block_n)
 

@@ -102,26 +102,75 @@ def test_auto_takes_the_kernels_only_on_the_gpus_they_are_built_for(monkeypatch,
 
 
 def test_default_grids_follow_the_gpus_sm_count(monkeypatch):
-    """The default tilings fill the GPU they run on: on a Hopper part of 78 SMs (an H20) the splits that
-    sized the grids for 132 SMs shrink with it; off CUDA, or where a device does not say its SM count, the
-    grids are the 132-SM ones they were measured at."""
+    """Every default rule that sizes a grid to the SMs fills the GPU it runs on: on a Hopper part of 78 SMs
+    (an H20) each gives another answer than on 132 (fewer splits, wider tiles, the TileLang GEMM at fewer
+    rows); off CUDA, or where a device does not say its SM count, each gives the 132-SM answer it was
+    measured at."""
+    pytest.importorskip("triton")
     from types import SimpleNamespace
 
-    from djax.kernels import dispatch
-    from djax.kernels.fp8_gemm_triton import fewest_splits
+    from djax.kernels import dispatch, moe_experts
+    from djax.kernels import fp8_gemm as fg
+    from djax.kernels import fp8_gemm_tilelang as fgt
+    from djax.kernels import fp8_gemm_triton as ft
+    from djax.kernels import fp8_weight_triton as fw
+    from djax.kernels import sparse_attn_tilelang as sat
     from djax.kernels.sparse_attn import triton_tiling
 
-    def grids():
-        splits = [triton_tiling(b, 64, 128, 512)["nsplit"] for b in (8, 32, 64)]
-        return dispatch.sm_count(), dispatch.per_gpu(256), splits, fewest_splits(40, 56)
+    fp8 = jnp.float8_e4m3fn
 
-    measured = (132, 256, [7, 4, 2], 8)
-    assert grids() == measured
+    def operand(*shape):
+        return jax.ShapeDtypeStruct(shape, fp8)
+
+    def grids():
+        attn = sat.default_tiling(32, 64, 512, 128, 512), sat.default_tiling(64, 64, 512, 128, 64)
+        return dict(
+            sms=(dispatch.sm_count(), dispatch.per_gpu(256)),
+            triton_attn=[triton_tiling(b, 64, 128, 512)["nsplit"] for b in (8, 32, 64)],
+            tilelang_attn=[(t.nsplit, t.dim_pair) for t in attn],
+            decode_k_split=(ft.fewest_splits(40, 56), fgt.default_ws_tiling(1, 7168, 1024).split_k),
+            decode_tile_n=fgt.default_tiling(64, 10240, 7168).block_n,
+            prefill_tiles=(
+                ft.dense_config(128, 10240, 1024).block_m,
+                fw.weight_config(128, 10240, 1024).block_m,
+            ),
+            swiglu_n=moe_experts.swiglu_config(moe_experts.FP8_DECODE_CFG, 6, 256, 2048).block_n,
+            tilelang_gemm=(
+                fg.auto_takes_tilelang(operand(2048, 4096), operand(4096, 4096), jnp.bfloat16),
+                fg.contiguous_takes_tilelang(operand(2048, 2048), operand(8, 4096, 2048), jnp.bfloat16),
+            ),
+        )
+
+    monkeypatch.setattr(jax, "default_backend", lambda: "cpu")  # off CUDA, whatever this host has
+    measured = grids()
+    assert measured == dict(
+        sms=(132, 256),
+        triton_attn=[7, 4, 2],
+        tilelang_attn=[(4, False), (1, True)],
+        decode_k_split=(8, 2),
+        decode_tile_n=64,
+        prefill_tiles=(ft.DECODE_CFG.block_m, fw.DECODE_CFG.block_m),
+        swiglu_n=32,
+        tilelang_gemm=(False, False),
+    )
     monkeypatch.setattr(jax, "default_backend", lambda: "gpu")
-    for device, expected in (
-        (SimpleNamespace(compute_capability="9.0", core_count=78), (78, 151, [5, 2, 1], 4)),
-        (SimpleNamespace(compute_capability="9.0", core_count=132), measured),
-        (SimpleNamespace(compute_capability="9.0"), measured),
+    monkeypatch.setattr(dispatch, "has_tilelang", lambda: True)
+    h20 = SimpleNamespace(compute_capability="9.0", core_count=78)
+    for device in (
+        SimpleNamespace(compute_capability="9.0", core_count=132),
+        SimpleNamespace(compute_capability="9.0"),
     ):
         monkeypatch.setattr(jax, "devices", lambda *a, d=device: [d])
-        assert grids() == expected
+        assert grids() == measured
+    monkeypatch.setattr(jax, "devices", lambda *a: [h20])
+    on_h20 = grids()
+    assert on_h20 == dict(
+        sms=(78, 151),
+        triton_attn=[5, 2, 1],
+        tilelang_attn=[(1, True), (1, False)],
+        decode_k_split=(4, 1),
+        decode_tile_n=128,
+        prefill_tiles=(ft.DEFAULT_CFG.block_m, fw.PREFILL_CFG.block_m),
+        swiglu_n=64,
+        tilelang_gemm=(True, True),
+    )

@@ -25,7 +25,7 @@ def test_sm_count_is_the_devices_own():
 
     sms = getattr(jax.devices()[0], "core_count", None)
     assert isinstance(sms, int) and sms > 0
-    assert dispatch.sm_count() == sms
+    assert dispatch.on_cuda() and dispatch.sm_count() == sms
 
 
 @pytest.mark.parametrize(
@@ -50,10 +50,12 @@ def test_sparse_decode_triton_default_tiling_matches_ref(b, heads, splits):
     """No tiling arguments: `triton_tiling`'s for the shape (16 heads a program with 20 splits of one 32-key
     block, or 7 whose last has two blocks; 64 heads with 3 splits of 4, 4 and 2 64-key blocks, or none), the
     last row with nothing to attend."""
+    from djax.kernels import dispatch
     from djax.kernels.sparse_attn import triton_tiling
 
     kw = triton_tiling(b, 64, 128, 512)
-    assert (kw["block_h"], kw["nsplit"]) == (heads, splits)
+    if dispatch.sm_count() == 132:  # the counts are the rule's on 132 SMs; other GPUs get their own
+        assert (kw["block_h"], kw["nsplit"]) == (heads, splits)
     args = sparse_decode_inputs(b, b, 64, 512, 128, 1000, 512)
     scale = 512**-0.5
     fast = jax.jit(lambda *a: sparse_decode(*a, scale=scale, impl="triton"))(*args)
