@@ -130,27 +130,11 @@ def fp8_quant_gemm(
     two-step jnp reference), or "auto" (Triton on CUDA). cfg: an `Fp8Config` or `fp8_quant_triton.QuantConfig`
     (its `swap_ab`: the dot taken as b a^T; None: `fp8_quant_triton.quant_config`); rounding: how the kernel
     rounds a / scale to e4m3 ("cast" or "bits"; None: "cast" compiled, "bits" interpreted)."""
-    from djax.kernels import fp8_quant_triton as qk
-
     shapes.fp8_quant(a, b, b_scale)
     impl = resolve(impl, QUANT_IMPLS)
     if impl == "ref":
         return fp8_gemm_ref(*quantize_act(a, ue8m0), b, b_scale, a.dtype)
-    m, k = a.shape
-    n = b.shape[0]
-    cfg = cfg or qk.quant_config(m, n, k)
-    rounding = rounding or ("bits" if impl == "interpret" else "cast")
-    cx = qk.constexprs(m, n, k, ue8m0, rounding, cfg)  # checks the config at trace time, before any callback
-    splits = split_k(cfg)
-    out = _result((m, n), a.dtype, splits)
-    args = [a, b, b_scale.astype(jnp.float32)]
-    if impl == "interpret":
-        host = lambda *h: _host_quant(ue8m0, cfg, rounding, out.dtype, *h)  # noqa: E731
-        c = jax.pure_callback(host, out, *args)
-    else:
-        names = ["a_ptr", "b_ptr", "bs_ptr", "c_ptr"]
-        c = _launch(qk.fp8_quant_gemm_kernel, names, args, out, cx, cfg, qk.grid(m, n, cfg))
-    return _summed(c, splits, a.dtype)
+    return _quant_gemm(a, [(b, b_scale)], ue8m0, impl, cfg, rounding)
 
 
 def fp8_quant_gemm_pair(
@@ -169,31 +153,41 @@ def fp8_quant_gemm_pair(
     program reading one weight, so the pair pays one kernel's start and one split-K sum. b [n, k] and b2
     [n2, k] as `fp8_quant_gemm`'s b, both with 128 x 128 scales; impl, cfg (None: `quant_config` of n + n2
     columns) and rounding as there. Returns ([m, n], [m, n2]) in a's dtype."""
-    from djax.kernels import fp8_quant_triton as qk
-
     shapes.fp8_quant(a, b, b_scale, "fp8_quant_gemm_pair")
     shapes.fp8_quant(a, b2, b2_scale, "fp8_quant_gemm_pair", ("b2", "b2_scale"))
     impl = resolve(impl, QUANT_IMPLS)
-    n1 = b.shape[0]
     if impl == "ref":
         a8, a_scale = quantize_act(a, ue8m0)
         return tuple(fp8_gemm_ref(a8, a_scale, w, s, a.dtype) for w, s in ((b, b_scale), (b2, b2_scale)))
+    c = _quant_gemm(a, [(b, b_scale), (b2, b2_scale)], ue8m0, impl, cfg, rounding)
+    n1 = b.shape[0]
+    return c[:, :n1], c[:, n1:]
+
+
+def _quant_gemm(a, weights: list, ue8m0: bool, impl: str, cfg, rounding: str | None):
+    """The quantizing kernel (impl "triton" or "interpret") over one weight, or two side by side in one launch
+    (the pair kernel): weights [(b, b_scale)] or [(b, b_scale), (b2, b2_scale)], checked by the caller. Returns
+    [m, n (+ n2)] in a's dtype, the split-K partials summed."""
+    from djax.kernels import fp8_quant_triton as qk
+
     m, k = a.shape
-    n = n1 + b2.shape[0]
+    n = sum(w.shape[0] for w, _ in weights)
+    pair = len(weights) == 2
     cfg = cfg or qk.quant_config(m, n, k)
     rounding = rounding or ("bits" if impl == "interpret" else "cast")
-    cx = qk.constexprs(m, n, k, ue8m0, rounding, cfg, n1)  # checks the config at trace time
+    # checks the config at trace time, before any callback
+    cx = qk.constexprs(m, n, k, ue8m0, rounding, cfg, weights[0][0].shape[0] if pair else None)
     splits = split_k(cfg)
     out = _result((m, n), a.dtype, splits)
-    args = [a, b, b_scale.astype(jnp.float32), b2, b2_scale.astype(jnp.float32)]
+    args = [a] + [x for w, scale in weights for x in (w, scale.astype(jnp.float32))]
     if impl == "interpret":
         host = lambda *h: _host_quant(ue8m0, cfg, rounding, out.dtype, *h)  # noqa: E731
         c = jax.pure_callback(host, out, *args)
     else:
-        names = ["a_ptr", "b_ptr", "bs_ptr", "b2_ptr", "bs2_ptr", "c_ptr"]
-        c = _launch(qk.fp8_quant_gemm_pair_kernel, names, args, out, cx, cfg, qk.grid(m, n, cfg))
-    c = _summed(c, splits, a.dtype)
-    return c[:, :n1], c[:, n1:]
+        names = ["a_ptr", "b_ptr", "bs_ptr", "b2_ptr", "bs2_ptr"][: len(args)] + ["c_ptr"]
+        kernel = qk.fp8_quant_gemm_pair_kernel if pair else qk.fp8_quant_gemm_kernel
+        c = _launch(kernel, names, args, out, cx, cfg, qk.grid(m, n, cfg))
+    return _summed(c, splits, a.dtype)
 
 
 def auto_takes_tilelang(a, b, out_dtype) -> bool:

@@ -249,43 +249,12 @@ def fp8_quant_gemm_pair_kernel(
     pid_m, pid_n = program_tile(N, BLOCK_N)
     n0 = pid_n * BLOCK_N
     if n0 < N1:
-        _quant_gemm_program(
-            a_ptr,
-            b_ptr,
-            bs_ptr,
-            c_ptr,
-            pid_m,
-            n0,
-            n0,
-            M,
-            N,
-            K,
-            UE8M0,
-            BITS,
-            BLOCK_M,
-            BLOCK_N,
-            SPLIT_K,
-            SWAP_AB,
-        )
+        w, ws, row = b_ptr, bs_ptr, n0
     else:
-        _quant_gemm_program(
-            a_ptr,
-            b2_ptr,
-            bs2_ptr,
-            c_ptr,
-            pid_m,
-            n0 - N1,
-            n0,
-            M,
-            N,
-            K,
-            UE8M0,
-            BITS,
-            BLOCK_M,
-            BLOCK_N,
-            SPLIT_K,
-            SWAP_AB,
-        )
+        w, ws, row = b2_ptr, bs2_ptr, n0 - N1
+    _quant_gemm_program(
+        a_ptr, w, ws, c_ptr, pid_m, row, n0, M, N, K, UE8M0, BITS, BLOCK_M, BLOCK_N, SPLIT_K, SWAP_AB
+    )
 
 
 def constexprs(
