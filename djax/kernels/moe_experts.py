@@ -214,13 +214,33 @@ def moe_experts_fp8(
         impl=impl,
         cfg=swiglu_cfg or swiglu_config(cfg, n * k, e, w1.shape[1]),
     )
-    # padding rows are zeroed: a skipped tile leaves its rows unwritten (any bits, nan included)
-    hq, hs = quantize_act(jnp.where((lay.m_indices >= 0)[:, None], h, 0.0), ue8m0=has_ue8m0_scales(w2))
+    hq, hs = quantize_pick_rows(h, lay.pos, ue8m0=has_ue8m0_scales(w2))
     c = fp8_split(cfg, n * k, e, *w2.shape[1:])
     y = fp8_gemm.grouped_contiguous(
         hq, hs, w2.values, scale(w2), lay.m_indices, out_dtype=dt, impl=impl, cfg=c
     )
     return _combine(y, lay, weights, n, k, d).astype(dt)
+
+
+def quantize_pick_rows(h, pos, ue8m0: bool):
+    """`quantize_act` of the SwiGLU output h [m_pad, f] with its padding rows taken as zeros, reading only the
+    picks' rows (pos int32[n*k], the padded row of each pick, -1 for a dropped one): what the down projection
+    reads. Padding rows must be zeros: a skipped tile leaves its rows unwritten (any bits, nan included). At
+    decode most rows are padding (32 tokens x 6 picks over 256 experts in 16-row tiles: 192 of 3,072 rows),
+    and quantizing all of them read the float32 h twice (its block maxima, then the values).
+    `quantize_padded_rows` is the slow twin, which reads every row."""
+    m, f = h.shape
+    q, s = quantize_act(h[jnp.maximum(pos, 0)], ue8m0=ue8m0)
+    zero_q, zero_s = quantize_act(jnp.zeros((1, f), h.dtype), ue8m0=ue8m0)  # a padding row's
+    dest = jnp.where(pos >= 0, pos, m)  # a dropped pick: out of range, dropped by the scatter
+    hq = jnp.broadcast_to(zero_q, (m, f)).at[dest].set(q, mode="drop")
+    hs = jnp.broadcast_to(zero_s, (m, zero_s.shape[1])).at[dest].set(s, mode="drop")
+    return hq, hs
+
+
+def quantize_padded_rows(h, m_indices, ue8m0: bool):
+    """`quantize_pick_rows` reading every row of h: padding rows (m_indices -1) zeroed, then quantized."""
+    return quantize_act(jnp.where((m_indices >= 0)[:, None], h, 0.0), ue8m0=ue8m0)
 
 
 def _combine(y, lay: Layout, weights, n: int, k: int, d: int) -> jax.Array:

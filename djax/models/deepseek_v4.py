@@ -313,11 +313,16 @@ def compressor_extend(
     b, c, _ = x.shape
     ring = st[kv_k].shape[1]
     m = ratio
+    # The barriers keep what computes the projections (an FP8 GEMM's split-K sum) out of the gathers below,
+    # which read every ring slot: fused into them, XLA's GPU emitter summed the splits again for each element
+    # of the windows and the new ring (a ratio-128 layer at batch 32 on an H100: 72.7 us a step, 36.3 with bf16
+    # weights and no splits).
     if "wgate" in p:
         raw_kv, raw_gate = linear_pair(x, p["wkv"]["weight"], p["wgate"]["weight"], fp8)
         raw_kv, raw_gate = raw_kv.astype(st[kv_k].dtype), raw_gate.astype(st[gate_k].dtype)
+        raw_kv, raw_gate = jax.lax.optimization_barrier((raw_kv, raw_gate))
     else:  # ratio 1: a window of one token, its softmax weight is 1
-        raw_kv = linear(x, p["wkv"]["weight"], fp8).astype(st[kv_k].dtype)
+        raw_kv = jax.lax.optimization_barrier(linear(x, p["wkv"]["weight"], fp8).astype(st[kv_k].dtype))
         raw_gate = jnp.zeros_like(raw_kv).astype(st[gate_k].dtype)
     ape = p["ape"] if "ape" in p else 0.0
     start = pos0 - ring  # position of combined index 0

@@ -21,6 +21,8 @@ from djax.kernels.moe_experts import (
     fp8_split,
     layout,
     moe_experts_fp8,
+    quantize_padded_rows,
+    quantize_pick_rows,
     swiglu_config,
 )
 from djax.quant import QArray, quantize
@@ -110,6 +112,31 @@ def test_interpreted_split_k_matches_ref():
 
 
 @needs_triton_interp
+@pytest.mark.parametrize("impl", ["ref", pytest.param("interpret", marks=needs_triton_interp)])
+@pytest.mark.parametrize("n,e,block_m,ue8m0", [(32, 256, 16, True), (5, 8, 16, False), (300, 8, 64, True)])
+def test_quantize_pick_rows_equals_every_row_quantized(impl, n, e, block_m, ue8m0):
+    """The down projection's activations quantized from the picks' rows only, bit for bit what quantizing
+    every padded row (padding zeroed) gives, with nan and huge values in the padding rows (the unwritten
+    rows of skipped tiles) and picks dropped (ids outside [0, e)); under jit, as the model runs it."""
+    rng = np.random.default_rng(n + e)
+    idx = np.stack([rng.choice(e, 6, replace=False) for _ in range(n)]).astype(np.int32)
+    idx[0, 2], idx[-1, 0] = -1, e  # dropped
+    lay = layout(jnp.asarray(idx), e, block_m, impl)
+    m_pad, f = lay.m_indices.shape[0], 320  # 320: a last scale block of 64 columns
+    h = rng.standard_normal((m_pad, f)) * rng.uniform(0.01, 30, (m_pad, 1))
+    pad = np.asarray(lay.m_indices) < 0
+    # one row per pick kept; at 32 tokens 2,880 of the 3,072 rows are padding
+    assert (~pad).sum() == n * 6 - 2 and pad.any()
+    h[pad] = np.where(rng.random((pad.sum(), f)) < 0.5, np.nan, 3e38).astype(np.float32)
+    h = jnp.asarray(h, jnp.float32)
+    fast = jax.jit(quantize_pick_rows, static_argnums=2)(h, lay.pos, ue8m0)
+    slow = jax.jit(quantize_padded_rows, static_argnums=2)(h, lay.m_indices, ue8m0)
+    for a, b in zip(fast, slow):
+        assert a.shape == b.shape and a.dtype == b.dtype
+        np.testing.assert_array_equal(np.asarray(a).view(np.uint8), np.asarray(b).view(np.uint8))
+    assert np.isfinite(np.asarray(fast[0], np.float32)).all() and (np.asarray(fast[1])[~pad] > 0).all()
+
+
 @pytest.mark.parametrize("gate_dtype,limit", [(jnp.bfloat16, 1.5), (jnp.float16, 1.5), (jnp.float32, 0.0)])
 def test_fused_swiglu_interpreted_matches_ref(gate_dtype, limit):
     """The fused gate/up/SwiGLU kernel alone: token rows read through `rows` (one expert with more picks than a

@@ -49,6 +49,32 @@ def test_pair_mean_and_per_token_compressors_match_numpy():
             assert not np.asarray(st["pool"][r, n:]).any()  # the open window is not written
 
 
+def test_compressor_projections_pass_a_barrier():
+    """The compressor's projections (kv and gate, or kv alone at ratio 1) pass one optimization barrier before
+    the gathers that read every ring slot, so that an FP8 GEMM's split-K sum is not fused into them (on a GPU
+    XLA then summed the splits again for each element of the windows and the new ring)."""
+    cfg = preset("tiny-v41")
+    params = djax.init_params(cfg, jax.random.key(0))
+    b = 2
+    x = jax.random.normal(jax.random.key(5), (b, 1, cfg.hidden_size))
+    for layer, ratio in ((1, 2), (3, 1)):
+        p = params["layers"][layer]["attn"]["compressor"]
+        st = dict(v4.init_state(cfg, b, 16)["layers"][layer])
+
+        def extend(x, st, p=p, ratio=ratio):
+            st = dict(st)
+            v4.compressor_extend(
+                p, x, st, ("pool", "ring_kv", "ring_gate"), jnp.full(b, 5, jnp.int32), jnp.ones(b, jnp.int32),
+                cfg, ratio, False, cfg.head_dim,
+            )  # fmt: skip
+            return st
+
+        eqns = jax.make_jaxpr(extend)(x, st).jaxpr.eqns
+        barriers = [e for e in eqns if e.primitive.name == "optimization_barrier"]
+        assert len(barriers) == 1, (layer, len(barriers))
+        assert len(barriers[0].invars) == (2 if "wgate" in p else 1)
+
+
 def _np_two_level(scores, visible, blocks, block_size, k, candidates=None):
     """Brute force per query: blocks ranked by their best visible score; top-k inside the kept ones."""
     cap = scores.shape[-1]
