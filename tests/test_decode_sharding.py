@@ -53,9 +53,11 @@ SCRIPT = textwrap.dedent(
             assert err <= 1e-5, ("kernels ref", err)
 
             # FP8 projections (dims multiples of 128) through fp8_quant_gemm's rule (a decode step's few
-            # rows): each device quantizes and multiplies its own rows
+            # rows): each device quantizes and multiplies its own rows. Three layers: a sliding one, a CSA
+            # one and an HCA one, which between them hold every kind of projection
             cfg8 = cfg.replace(hidden_size=256, q_lora_rank=128, num_attention_heads=2, head_dim=64,
-                               qk_rope_head_dim=16, o_lora_rank=64, o_groups=2, moe_intermediate_size=128)
+                               qk_rope_head_dim=16, o_lora_rank=64, o_groups=2, moe_intermediate_size=128,
+                               num_hidden_layers=3, compress_ratios=(0, 4, 16), num_hash_layers=1)
             # (routed experts left unquantized: under ExpertParallel they take the local impl, not the FP8 path
             # a single device's "grouped" takes at decode, which rounds their activations)
             p8 = djax.quantize_projections(init_params_host(cfg8, 0), cfg8, experts=False)

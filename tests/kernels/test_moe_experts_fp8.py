@@ -18,9 +18,11 @@ from djax.kernels.grouped_gemm import GemmConfig
 from djax.kernels.moe_experts import (
     FP8_DECODE_CFG,
     FP8_PREFILL_CFG,
+    PICK_ROWS_MIN_BYTES,
     fp8_split,
     layout,
     moe_experts_fp8,
+    quantize_down_acts,
     quantize_padded_rows,
     quantize_pick_rows,
     swiglu_config,
@@ -135,6 +137,18 @@ def test_quantize_pick_rows_equals_every_row_quantized(impl, n, e, block_m, ue8m
         assert a.shape == b.shape and a.dtype == b.dtype
         np.testing.assert_array_equal(np.asarray(a).view(np.uint8), np.asarray(b).view(np.uint8))
     assert np.isfinite(np.asarray(fast[0], np.float32)).all() and (np.asarray(fast[1])[~pad] > 0).all()
+
+
+@pytest.mark.parametrize("tokens,scatter", [(1, False), (4, False), (8, True), (32, True)])
+def test_quantize_down_acts_reads_the_picks_rows_from_its_size(tokens, scatter):
+    """V4-Flash's experts (256, 6 picks a token, 2,048 columns, 16-row tiles): from 8 tokens (768 padded rows,
+    6 MB of float32) the picks' rows are read and scattered; below, every row is quantized."""
+    idx = jnp.asarray(np.arange(tokens * 6).reshape(tokens, 6) % 256, jnp.int32)
+    lay = layout(idx, 256, 16, "ref")
+    h = jax.ShapeDtypeStruct((lay.m_indices.shape[0], 2048), jnp.float32)
+    assert (h.shape[0] * 2048 * 4 >= PICK_ROWS_MIN_BYTES) == scatter
+    eqns = jax.make_jaxpr(lambda h: quantize_down_acts(h, lay, True))(h).jaxpr.eqns
+    assert any(e.primitive.name == "scatter" for e in eqns) == scatter
 
 
 @pytest.mark.parametrize("gate_dtype,limit", [(jnp.bfloat16, 1.5), (jnp.float16, 1.5), (jnp.float32, 0.0)])
