@@ -224,16 +224,16 @@ def moe_experts_fp8(
 
 # From this many bytes of SwiGLU output the down projection's activations are quantized from the picks' rows
 # (`quantize_pick_rows`); below it every row is (`quantize_padded_rows`: two small kernels, where the other way
-# adds a scatter's launch). On an H100, V4-Flash's experts (2,048 columns): at 32 tokens (3,072 padded rows,
-# 25 MB) the FP8 decode step took 4,639.7 us against 4,741.5, with the compressor's barrier; at one token
-# (96 rows) the scatter alone took 3 us a layer.
+# adds a scatter's launch). V4-Flash's experts (2,048 columns) cross it at 6 tokens. On an H100: at 32 tokens
+# (3,072 padded rows, 25 MB) the FP8 decode step took 4,639.7 us against 4,741.5, with the compressor's
+# barrier; at one token (96 rows) the scatter took 3 us a call. Sizes between, and prefill's, not measured.
 PICK_ROWS_MIN_BYTES = 4 << 20
 
 
 def quantize_down_acts(h, lay: Layout, ue8m0: bool):
     """`quantize_act` of the SwiGLU output h float32[m_pad, f] with its padding rows taken as zeros: what the
     down projection reads. Padding rows must be zeros: a skipped tile leaves its rows unwritten (any bits, nan
-    included). The two ways give the same bits; which reads less is chosen by h's size."""
+    included). The two ways give the same bits; h's size chooses between them (`PICK_ROWS_MIN_BYTES`)."""
     if h.size * h.dtype.itemsize >= PICK_ROWS_MIN_BYTES:
         return quantize_pick_rows(h, lay.pos, ue8m0)
     return quantize_padded_rows(h, lay.m_indices, ue8m0)
