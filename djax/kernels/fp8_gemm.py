@@ -184,7 +184,7 @@ def _quant_gemm(a, weights: list, ue8m0: bool, impl: str, cfg, rounding: str | N
         host = lambda *h: _host_quant(ue8m0, cfg, rounding, out.dtype, *h)  # noqa: E731
         c = jax.pure_callback(host, out, *args)
     else:
-        names = ["a_ptr", "b_ptr", "bs_ptr", "b2_ptr", "bs2_ptr"][: len(args)] + ["c_ptr"]
+        names = ["a_ptr", "b_ptr", "bs_ptr"] + (["b2_ptr", "bs2_ptr"] if pair else []) + ["c_ptr"]
         kernel = qk.fp8_quant_gemm_pair_kernel if pair else qk.fp8_quant_gemm_kernel
         c = _launch(kernel, names, args, out, cx, cfg, qk.grid(m, n, cfg))
     return _summed(c, splits, a.dtype)

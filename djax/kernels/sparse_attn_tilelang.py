@@ -1383,8 +1383,9 @@ def default_tiling(b: int, h: int, k: int, w: int, t: int) -> Tiling | None:
     """
     nb = sum(_blocks(w, t, 64))
     ctas = b * max(h // HEADS, 1)
-    nsplit = max(1, min(nb, round(sm_count() / ctas)))
-    if nsplit > _MAX_CLUSTER and ctas * _MAX_CLUSTER <= sm_count():
+    sms = sm_count()
+    nsplit = max(1, min(nb, round(sms / ctas)))
+    if nsplit > _MAX_CLUSTER and ctas * _MAX_CLUSTER <= sms:
         candidates = [Tiling(64, 2, 384, _MAX_CLUSTER, merge=True)]
     elif nsplit == 2:
         # P in the score buffers: measured at head dim 512, run on the GPU at 256 and 512 (smaller heads keep
