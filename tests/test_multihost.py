@@ -24,6 +24,9 @@ def test_two_processes_forward_equals_one_device():
         pytest.skip("this jaxlib has no gloo CPU collectives, so CPU devices cannot span processes")
     root = Path(__file__).resolve().parents[1]
     env = {k: v for k, v in os.environ.items() if k not in ("XLA_FLAGS", "JAX_PLATFORMS")}
+    # CPU processes: without LLVM's optimisation passes, as `tests/cpu_devices.py` runs its subprocesses (both
+    # sides of the comparison run in each process, under the same flags)
+    env["XLA_FLAGS"] = "--xla_backend_optimization_level=0"
     port = _free_port()
     cmd = [sys.executable, "-m", "djax.multihost_check", "--coordinator", f"127.0.0.1:{port}"]
     cmd += ["--num-processes", "2", "--cpu-devices", "2", "--layers", "1", "--timeout", "120"]

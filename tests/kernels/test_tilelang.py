@@ -29,6 +29,28 @@ needs_nvcc = pytest.mark.skipif(
 needs_cuda_h = pytest.mark.skipif(build.cuda_include() is None, reason="needs CUDA's cuda.h")
 
 
+@pytest.fixture(scope="module", autouse=True)
+def _lower_each_program_once():
+    """TileLang lowers a program in about a second, and these tests lowered many programs more than once: the
+    tiling options applied to the lowered source (early_store, half_tiles) leave the program as it was, a
+    compiled kernel's test lowers its program again, and some tests lower what another lowers. Here a program
+    is lowered once per module for its TVMScript text, target and pass options (the lowering's whole input);
+    what follows the lowering (source edits, launch plans, nvcc) runs in every test as before."""
+    from djax.kernels import fp8_gemm_tilelang as tl_mod
+
+    lowered, real = {}, tl_mod.lower
+
+    def lower(program, target, pass_config):
+        key = (program.script(), repr(sorted(target.items())), repr(sorted(pass_config.items())))
+        if key not in lowered:
+            lowered[key] = real(program, target, pass_config)
+        return lowered[key]
+
+    with pytest.MonkeyPatch.context() as mp:
+        mp.setattr(tl_mod, "lower", lower)
+        yield
+
+
 @needs_tilelang
 def test_default_tiling_fits_shapes():
     from djax.kernels.fp8_gemm_tilelang import default_tiling

@@ -34,12 +34,13 @@ def test_draft_block_from_target_features():
     for r1, r2 in zip(one["layers"], two["layers"]):  # chunked commits equal one commit
         np.testing.assert_allclose(np.asarray(r1), np.asarray(r2), rtol=1e-6, atol=1e-6)
     anchor = jax.random.randint(jax.random.key(2), (b,), 0, cfg.vocab_size)
-    logits, toks, conf = jax.jit(functools.partial(dspark.draft, cfg=cfg))(params, anchor, one)
+    draft = jax.jit(functools.partial(dspark.draft, cfg=cfg))  # one jitted function: compiled once for both
+    logits, toks, conf = draft(params, anchor, one)
     bs = cfg.dspark_block_size
     assert logits.shape == (b, bs, cfg.vocab_size) and toks.shape == (b, bs) and conf.shape == (b, bs)
     np.testing.assert_array_equal(np.asarray(toks), np.asarray(logits).argmax(-1))
     assert ((np.asarray(conf) > 0) & (np.asarray(conf) < 1)).all()
     # the Markov bias of position j comes from the token before it: a different anchor moves position 0
     other = (anchor + 1) % cfg.vocab_size
-    logits2, _, _ = jax.jit(functools.partial(dspark.draft, cfg=cfg))(params, other, one)
+    logits2, _, _ = draft(params, other, one)
     assert not np.allclose(np.asarray(logits)[:, 0], np.asarray(logits2)[:, 0])
