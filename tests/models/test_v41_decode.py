@@ -65,9 +65,13 @@ def test_reader_layer_uses_its_source_pool(model):
     np.testing.assert_array_equal(outs[0], outs[1])
 
 
-def test_decode_through_state_equals_forward(model):
+@pytest.mark.parametrize("slot_writes", [False, True])
+def test_decode_through_state_equals_forward(model, slot_writes, monkeypatch):
     """Rows of prompt length 5 and 9, then teacher-forced decode to 40 tokens: past the window (8),
-    through ratio-2 and ratio-1 pools, candidate blocks (3 of 4) and index top-6."""
+    through ratio-2 and ratio-1 pools, candidate blocks (3 of 4) and index top-6. The steps' rings rebuilt
+    (as at these 2 rows) or written by slot (as from `SLOT_WRITES_FROM_BATCH` rows)."""
+    if slot_writes:
+        monkeypatch.setattr(v4, "SLOT_WRITES_FROM_BATCH", 1)
     cfg, params = model
     total = 40
     tokens = jax.random.randint(jax.random.key(1), (2, total), 0, cfg.vocab_size)
@@ -93,7 +97,10 @@ def test_decode_through_state_equals_forward(model):
         assert err.max() <= 1e-4 * scale, (r, int(err.argmax()) + n, err.max(), scale)
 
 
-def test_rollback_then_redecode_equals_never_decoded(model):
+@pytest.mark.parametrize("slot_writes", [False, True])
+def test_rollback_then_redecode_equals_never_decoded(model, slot_writes, monkeypatch):
+    if slot_writes:  # the rings written by slot, their spare slots holding what a rollback reads again
+        monkeypatch.setattr(v4, "SLOT_WRITES_FROM_BATCH", 1)
     cfg, params = model
     b, spare = 2, 5
     prompt = jax.random.randint(jax.random.key(4), (b, 10), 0, cfg.vocab_size)

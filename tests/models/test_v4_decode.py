@@ -16,9 +16,13 @@ def model():
     return cfg, djax.init_params(cfg, jax.random.key(0))
 
 
-def test_decode_through_state_equals_forward(model):
+@pytest.mark.parametrize("slot_writes", [False, True])
+def test_decode_through_state_equals_forward(model, slot_writes, monkeypatch):
     """Two rows with different prompt lengths, then 620 teacher-forced decode steps: far past the
-    window (8), 150+ CSA windows with an indexer keeping 4 of them, 38 HCA windows."""
+    window (8), 150+ CSA windows with an indexer keeping 4 of them, 38 HCA windows. The steps' rings
+    rebuilt (as at these 2 rows) or written by slot (as from `SLOT_WRITES_FROM_BATCH` rows)."""
+    if slot_writes:
+        monkeypatch.setattr(v4, "SLOT_WRITES_FROM_BATCH", 1)
     cfg, params = model
     total = 640
     tokens = jax.random.randint(jax.random.key(1), (2, total), 0, cfg.vocab_size)
