@@ -360,7 +360,8 @@ def compressor_extend(
         flat = jnp.clip(idx, 0, a.shape[1] - 1).reshape(b, -1)
         return jnp.take_along_axis(a, flat[..., None], axis=1).reshape(*idx.shape, a.shape[-1])
 
-    if by_slot(x):  # one token: its row goes into its slot and the windows are read from the rings by slot
+    slots = by_slot(x)
+    if slots:  # one token: its row goes into its slot and the windows are read from the rings by slot
         st[kv_k] = write_slot(st[kv_k], pos0, valid, raw_kv)
         st[gate_k] = write_slot(st[gate_k], pos0, valid, raw_gate)
         comb_kv, comb_gate = st[kv_k], st[gate_k]
@@ -389,7 +390,7 @@ def compressor_extend(
         ikey = rms_norm(linear(latent, wk["weight"], fp8), k_norm["weight"], cfg.rms_norm_eps)
         ikey = _rotate(ikey, w * m, _rope(cfg, CSA), heads=False)
         st["index_pool"] = _set_rows(st["index_pool"], target, ikey)
-    if not by_slot(x):  # the new ring holds positions pos0 + valid - R .. pos0 + valid - 1
+    if not slots:  # the new ring holds positions pos0 + valid - R .. pos0 + valid - 1
         st[kv_k] = _place_ring(refill_ring(comb_kv, valid, ring), pos0 + valid - ring)
         st[gate_k] = _place_ring(refill_ring(comb_gate, valid, ring), pos0 + valid - ring)
 

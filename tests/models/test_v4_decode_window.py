@@ -50,7 +50,7 @@ def test_one_token_step_equals_general_chunk(model, spare, monkeypatch):
     live = VALID > 0
     h1, h2 = np.asarray(h1), np.asarray(h2)
     np.testing.assert_allclose(h1[live, 0], h2[live, 0], atol=1e-5 * np.abs(h2[live, 0]).max(), rtol=0)
-    flat_one, tree = jax.tree_util.tree_flatten_with_path(one)
+    flat_one, _ = jax.tree_util.tree_flatten_with_path(one)
     flat_two = jax.tree_util.tree_leaves(two)
     flat_before = jax.tree_util.tree_leaves(state)
     assert len(flat_one) == len(flat_two) == len(flat_before)
