@@ -300,8 +300,8 @@ def grouped_swiglu_contiguous(
 ):
     """An MoE layer's gate and up projections and its SwiGLU in one pass; see
     `fp8_gemm_ref.grouped_swiglu_contiguous_ref`. Triton (`fp8_swiglu_triton`): groups start at multiples of
-    cfg.block_m, m is a multiple of it, cfg.block_n divides 128 (no K split); rows of a skipped tile (its
-    first row padding) are left unwritten."""
+    cfg.block_m, m is a multiple of it, cfg.block_n divides 128 (no K split); padding rows are left
+    unwritten (the down projection's quantization takes them as zeros without reading them)."""
     shapes.fp8_swiglu_contiguous(a, a_scale, rows, w1, s1, w3, s3, m_indices)
     impl = resolve(impl, GROUPED_IMPLS)
     gate_dtype = jnp.dtype(gate_dtype)

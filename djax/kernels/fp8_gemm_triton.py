@@ -78,6 +78,41 @@ def program_tile(N: tl.constexpr, BLOCK_N: tl.constexpr):
 
 
 @triton.jit
+def act_scales(as_ptrs, kb, live, KB: tl.constexpr, KSTEP: tl.constexpr):
+    """The activation scales [rows] of K block kb, or with KSTEP > 1 those of blocks kb .. kb + KSTEP - 1 as
+    [rows, KSTEP]. Blocks past the last read the last one's: their a and b tiles load as zeros, so any finite
+    scale will do, and the reads stay in bounds without a mask."""
+    if KSTEP == 1:
+        s = tl.load(as_ptrs + tl.minimum(kb, KB - 1), mask=live, other=0.0)
+    else:
+        kbs = tl.minimum(kb + tl.arange(0, KSTEP), KB - 1)
+        s = tl.load(as_ptrs[:, None] + kbs[None, :], mask=live[:, None], other=0.0)
+    return s
+
+
+@triton.jit
+def weight_scales(bs_ptrs, kb, KB: tl.constexpr, KSTEP: tl.constexpr):
+    """The weight scale (a scalar) of K block kb, or [KSTEP] of blocks kb .. kb + KSTEP - 1, as `act_scales`."""
+    if KSTEP == 1:
+        s = tl.load(bs_ptrs + tl.minimum(kb, KB - 1))
+    else:
+        s = tl.load(bs_ptrs + tl.minimum(kb + tl.arange(0, KSTEP), KB - 1))
+    return s
+
+
+@triton.jit
+def step_scale(sa, sb, j: tl.constexpr, KSTEP: tl.constexpr):
+    """The [rows] products of activation and weight scales of block j of a loop step (`act_scales`,
+    `weight_scales`)."""
+    if KSTEP == 1:
+        s = sa * sb
+    else:
+        pick = tl.arange(0, KSTEP) == j
+        s = tl.sum(tl.where(pick[None, :], sa, 0.0), axis=1) * tl.sum(tl.where(pick, sb, 0.0), axis=0)
+    return s
+
+
+@triton.jit
 def fp8_gemm_kernel(
     a_ptr,  # fp8[rows, K]
     as_ptr,  # f32[rows, KB]
@@ -94,6 +129,7 @@ def fp8_gemm_kernel(
     BLOCK_M: tl.constexpr,
     BLOCK_N: tl.constexpr,
     SPLIT_K: tl.constexpr,
+    KSTEP: tl.constexpr,  # 128-wide K blocks a loop step loads (`k_step`)
 ):
     BK: tl.constexpr = 128
     KB: tl.constexpr = (K + BK - 1) // BK
@@ -122,26 +158,25 @@ def fp8_gemm_kernel(
     as_ptrs = as_ptr + src * KB
     bs_ptrs = bs_ptr + (g.to(tl.int64) * NB + (pid_n * BLOCK_N) // BK) * KB
     acc = tl.zeros([BLOCK_M, BLOCK_N], tl.float32)
-    # The scales are read one K block ahead, by hand: Triton pipelines only the loads that feed the dot, and
+    # The scales are read one loop step ahead, by hand: Triton pipelines only the loads that feed the dot, and
     # a scale read in its own iteration stalled every step on a memory round trip (a quarter of the m = 64
-    # kernel's stall samples on the H200). Past the last K block the a and b tiles load as zeros, so any
-    # finite scale will do: the last block's, which keeps the scale reads in bounds without a mask.
-    kbs = tl.minimum(kb0, KB - 1)
-    sa = tl.load(as_ptrs + kbs, mask=live, other=0.0)
-    sb = tl.load(bs_ptrs + kbs)
-    for i in range(0, KBS):
-        kb = kb0 + i
-        k_ok = kb * BK + rk < K  # false for the whole block when kb >= KB
-        a = tl.load(a_ptrs, mask=live[:, None] & k_ok[None, :], other=0.0)
-        b = tl.load(b_ptrs, mask=n_ok[:, None] & k_ok[None, :], other=0.0)
-        kbs = tl.minimum(kb + 1, KB - 1)
-        sa_next = tl.load(as_ptrs + kbs, mask=live, other=0.0)
-        sb_next = tl.load(bs_ptrs + kbs)
-        part = tl.dot(a, tl.trans(b))
-        acc += part * (sa * sb)[:, None]
+    # kernel's stall samples on the H200).
+    sa, sb = act_scales(as_ptrs, kb0, live, KB, KSTEP), weight_scales(bs_ptrs, kb0, KB, KSTEP)
+    for i in range(0, KBS, KSTEP):
+        sa_next = act_scales(as_ptrs, kb0 + i + KSTEP, live, KB, KSTEP)
+        sb_next = weight_scales(bs_ptrs, kb0 + i + KSTEP, KB, KSTEP)
+        for j in tl.static_range(KSTEP):
+            kb = kb0 + i + j
+            k_ok = kb * BK + rk < K  # false for the whole block when kb >= KB
+            if KBS % KSTEP != 0:
+                k_ok = k_ok & (i + j < KBS)  # the split's last step may reach into the next split's blocks
+            a = tl.load(a_ptrs + j * BK, mask=live[:, None] & k_ok[None, :], other=0.0)
+            b = tl.load(b_ptrs + j * BK, mask=n_ok[:, None] & k_ok[None, :], other=0.0)
+            part = tl.dot(a, tl.trans(b))
+            acc += part * step_scale(sa, sb, j, KSTEP)[:, None]
         sa, sb = sa_next, sb_next
-        a_ptrs += BK
-        b_ptrs += BK
+        a_ptrs += KSTEP * BK
+        b_ptrs += KSTEP * BK
     tl.store(
         c_ptr + dst[:, None] * N + rn[None, :],
         acc.to(c_ptr.dtype.element_ty),
@@ -156,6 +191,17 @@ def split_k(cfg: GemmConfig) -> int:
     if s < 1:
         raise ValueError(f"split_k {s} must be >= 1")
     return s
+
+
+def k_step(cfg: GemmConfig) -> int:
+    """128-wide K blocks (one scale each) a loop step of the FP8 kernels loads: block_k / 128 for a block_k of
+    256 or 512, else 1 (the FP8 configs name 128, the scale block; a GemmConfig's default 64 reads as 128).
+    Longer steps load more bytes of each weight row at once, with one loop step's overhead."""
+    if cfg.block_k <= SCALE_BLOCK:
+        return 1
+    if cfg.block_k not in (2 * SCALE_BLOCK, 4 * SCALE_BLOCK):
+        raise ValueError(f"an FP8 kernel's block_k must be 128, 256 or 512, got {cfg.block_k}")
+    return cfg.block_k // SCALE_BLOCK
 
 
 def grid(m: int, n: int, cfg: GemmConfig) -> tuple[int, int]:
@@ -181,6 +227,7 @@ def constexprs(m: int, n: int, k: int, mg: int, mode: str, cfg: GemmConfig) -> d
         BLOCK_M=cfg.block_m,
         BLOCK_N=cfg.block_n,
         SPLIT_K=split_k(cfg),
+        KSTEP=k_step(cfg),
     )
 
 

@@ -1,10 +1,10 @@
 """Triton: an MoE expert's FP8 gate and up projections from one pass over its rows, then the clamped SwiGLU.
 
-Contract: `fp8_gemm_ref.grouped_swiglu_contiguous_ref`. Contiguous layout as in `fp8_gemm_triton` (groups
-padded to multiples of BLOCK_M, `m_indices` per row, a tile whose first row is padding skipped and left
-unwritten), with each row's activations read from the token rows through `rows`, so no gathered copy of
-the quantized tokens is made. Every 128-wide K block of both weights is promoted as in `fp8_gemm_kernel`
-(DeepGEMM's per-block scaling); gate and up are rounded to the model's dtype (ROUND) before the SwiGLU, as
+Contract: `fp8_gemm_ref.grouped_swiglu_contiguous_ref` on the picks' rows; padding rows are left unwritten.
+Contiguous layout as in `fp8_gemm_triton` (groups padded to multiples of BLOCK_M, `m_indices` per row, a tile
+whose first row is padding skipped), with each row's activations read from the token rows through `rows`, so
+no gathered copy of the quantized tokens is made. Every 128-wide K block of both weights is promoted as in
+`fp8_gemm_kernel` (DeepGEMM's per-block scaling); gate and up are rounded to the model's dtype (ROUND) before the SwiGLU, as
 the separate GEMMs' bf16 outputs are, and h is written in float32 for the 1x128 quantization that follows.
 
 Why one kernel: the separate path reads the activations twice, writes gate and up and reads them back, and
@@ -18,9 +18,19 @@ from __future__ import annotations
 import triton
 import triton.language as tl
 
-from djax.kernels.fp8_gemm_triton import SCALE_BLOCK, program_tile
+from djax.kernels.fp8_gemm_triton import (
+    SCALE_BLOCK,
+    act_scales,
+    k_step,
+    program_tile,
+    step_scale,
+    weight_scales,
+)
 from djax.kernels.grouped_gemm_triton import GemmConfig, _tile
 
+# Whether a live tile's padding rows are written (as zeros) too; the op leaves them unwritten, and the
+# benchmarks set this to time the kernel as it was.
+PAD_ROWS = False
 ROUNDINGS = {"float32": 0, "bfloat16": 1, "float16": 2}  # ROUND: the dtype gate and up pass through
 
 
@@ -58,6 +68,8 @@ def fp8_swiglu_kernel(
     ROUND: tl.constexpr,  # ROUNDINGS
     BLOCK_M: tl.constexpr,
     BLOCK_N: tl.constexpr,
+    KSTEP: tl.constexpr,  # 128-wide K blocks a loop step loads (`fp8_gemm_triton.k_step`)
+    PAD_ROWS: tl.constexpr,  # also write the padding rows of a live tile (zeros)
 ):
     BK: tl.constexpr = 128
     KB: tl.constexpr = (K + BK - 1) // BK
@@ -78,25 +90,25 @@ def fp8_swiglu_kernel(
     s_off = (g.to(tl.int64) * NB + (pid_n * BLOCK_N) // BK) * KB
     gate = tl.zeros([BLOCK_M, BLOCK_N], tl.float32)
     up = tl.zeros([BLOCK_M, BLOCK_N], tl.float32)
-    # scales one K block ahead, as in fp8_gemm_kernel (Triton pipelines only the loads feeding the dots)
-    sa = tl.load(as_ptrs, mask=live, other=0.0)
-    s1 = tl.load(s1_ptr + s_off)
-    s3 = tl.load(s3_ptr + s_off)
-    for kb in range(0, KB):
-        k_ok = kb * BK + rk < K
-        a = tl.load(a_ptrs, mask=live[:, None] & k_ok[None, :], other=0.0)
-        w1 = tl.load(w1_ptrs, mask=n_ok[:, None] & k_ok[None, :], other=0.0)
-        w3 = tl.load(w3_ptrs, mask=n_ok[:, None] & k_ok[None, :], other=0.0)
-        nxt = tl.minimum(kb + 1, KB - 1)
-        sa_next = tl.load(as_ptrs + nxt, mask=live, other=0.0)
-        s1_next = tl.load(s1_ptr + s_off + nxt)
-        s3_next = tl.load(s3_ptr + s_off + nxt)
-        gate += tl.dot(a, tl.trans(w1)) * (sa * s1)[:, None]
-        up += tl.dot(a, tl.trans(w3)) * (sa * s3)[:, None]
+    # scales one loop step ahead, as in fp8_gemm_kernel (Triton pipelines only the loads feeding the dots)
+    sa = act_scales(as_ptrs, 0, live, KB, KSTEP)
+    s1 = weight_scales(s1_ptr + s_off, 0, KB, KSTEP)
+    s3 = weight_scales(s3_ptr + s_off, 0, KB, KSTEP)
+    for kb0 in range(0, KB, KSTEP):
+        sa_next = act_scales(as_ptrs, kb0 + KSTEP, live, KB, KSTEP)
+        s1_next = weight_scales(s1_ptr + s_off, kb0 + KSTEP, KB, KSTEP)
+        s3_next = weight_scales(s3_ptr + s_off, kb0 + KSTEP, KB, KSTEP)
+        for j in tl.static_range(KSTEP):
+            k_ok = (kb0 + j) * BK + rk < K  # false for the whole block past the last
+            a = tl.load(a_ptrs + j * BK, mask=live[:, None] & k_ok[None, :], other=0.0)
+            w1 = tl.load(w1_ptrs + j * BK, mask=n_ok[:, None] & k_ok[None, :], other=0.0)
+            w3 = tl.load(w3_ptrs + j * BK, mask=n_ok[:, None] & k_ok[None, :], other=0.0)
+            gate += tl.dot(a, tl.trans(w1)) * step_scale(sa, s1, j, KSTEP)[:, None]
+            up += tl.dot(a, tl.trans(w3)) * step_scale(sa, s3, j, KSTEP)[:, None]
         sa, s1, s3 = sa_next, s1_next, s3_next
-        a_ptrs += BK
-        w1_ptrs += BK
-        w3_ptrs += BK
+        a_ptrs += KSTEP * BK
+        w1_ptrs += KSTEP * BK
+        w3_ptrs += KSTEP * BK
     if ROUND == 1:
         gate = _round_bf16(gate)
         up = _round_bf16(up)
@@ -107,7 +119,10 @@ def fp8_swiglu_kernel(
         gate = tl.minimum(gate, LIMIT)
         up = tl.minimum(tl.maximum(up, -LIMIT), LIMIT)
     h = gate * tl.sigmoid(gate) * up  # padding rows: 0 (their gate and up are)
-    tl.store(h_ptr + dst[:, None] * N + rn[None, :], h, mask=(dst < M)[:, None] & n_ok[None, :])
+    # Only the picks' rows by default: the down projection's quantization takes padding rows as zeros without
+    # reading them, and at decode a live 16-row tile holds one or two picks (PAD_ROWS: every row of the tile)
+    rows_out = (dst < M) if PAD_ROWS else live
+    tl.store(h_ptr + dst[:, None] * N + rn[None, :], h, mask=rows_out[:, None] & n_ok[None, :])
 
 
 def constexprs(m: int, n: int, k: int, limit: float, gate_dtype: str, cfg: GemmConfig) -> dict:
@@ -124,6 +139,8 @@ def constexprs(m: int, n: int, k: int, limit: float, gate_dtype: str, cfg: GemmC
         ROUND=rounding(gate_dtype),
         BLOCK_M=cfg.block_m,
         BLOCK_N=cfg.block_n,
+        KSTEP=k_step(cfg),
+        PAD_ROWS=PAD_ROWS,
     )
 
 
@@ -133,7 +150,7 @@ def grid(m: int, n: int, cfg: GemmConfig) -> tuple[int]:
 
 def launch_torch(a, a_scale, rows, w1, s1, w3, s3, groups, limit: float, gate_dtype: str, cfg: GemmConfig):
     """Runs the kernel on torch tensors (GPU, or CPU under TRITON_INTERPRET=1 with float32 stand-ins for
-    fp8). Rows of skipped tiles come back as nan."""
+    fp8). Padding rows come back as nan (PAD_ROWS: only those of skipped tiles)."""
     import torch
 
     m, (_, n, k) = groups.shape[0], w1.shape

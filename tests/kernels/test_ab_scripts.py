@@ -2,6 +2,7 @@
 (benchmarks/ab_fp8_grouped.py) and the attention one's variant names, on the CPU: the order of a round's
 timings, --plot, the rows checked and the variants timed."""
 
+import importlib.util
 import json
 import sys
 from pathlib import Path
@@ -9,6 +10,7 @@ from pathlib import Path
 import jax.numpy as jnp
 import numpy as np
 import pytest
+from checks import needs_triton_interp
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[2] / "benchmarks"))
 import ab_plot  # noqa: E402
@@ -167,3 +169,37 @@ def test_fp8_quant_gemm_pairs_run(tmp_path, monkeypatch):
     assert set(row["rounds"][0]) == names and all(t > 0 for t in row["rounds"][0].values())
     pytest.importorskip("matplotlib")
     assert (tmp_path / "fp8_quant_gemm_pair_ab.png").stat().st_size > 0
+
+
+@needs_triton_interp
+def test_moe_fp8_variants_and_run(tmp_path, monkeypatch):
+    """ab_moe_fp8: the variants' K steps (both kernels, one of them, the stage counts) and the fused kernel as it
+    was; then a run on the CPU at small expert shapes through Triton's interpreter, each variant checked against
+    the reference on the first tokens and timed, the JSON and, where matplotlib is installed, the PNG written."""
+    import ab_moe_fp8 as ab
+    import bench_kernels
+
+    v = ab.variants(64)
+    assert v["default"] == (None, None, False) and v["padding rows written (before)"] == (None, None, True)
+    steps = {name: (c.block_k, f.block_k, c.num_stages) for name, (c, f, _) in v.items() if c is not None}
+    assert steps["both bk256 st4"] == (256, 256, 4) and steps["both bk512 st3"] == (512, 512, 3)
+    assert steps["gate/up bk256 st4"] == (128, 256, 4) and steps["down bk512 st2"] == (512, 128, 2)
+    assert all(c.block_m == f.block_m == 16 for c, f, _ in v.values() if c is not None)
+    monkeypatch.setattr(ab, "D", 256)
+    monkeypatch.setattr(ab, "F", 128)
+    monkeypatch.setattr(ab, "E", 8)
+    monkeypatch.setattr(ab, "K", 2)
+    monkeypatch.setattr(ab, "IMPL", "interpret")
+    kept = ("default", "padding rows written (before)", "both bk256 st4")
+    monkeypatch.setattr(ab, "variants", lambda n, full=ab.variants: {k: full(n)[k] for k in kept})
+    monkeypatch.setattr(bench_kernels, "measure_ceilings", lambda: (3e12, 8e14))  # a 2 GiB pass: not on CI
+    monkeypatch.setattr(
+        sys, "argv", ["ab_moe_fp8.py", "--tokens", "3", "--rounds", "1", "--out", str(tmp_path)]
+    )
+    ab.main()
+    res = json.loads((tmp_path / "moe_fp8_ab.json").read_text())
+    (row,) = res["rows"]
+    assert row["tokens"] == 3 and 0 < row["touched"] <= 6 and row["bytes"] > 0 and res["copy_bw"] == 3e12
+    assert set(row["rel_err"]) == set(kept) and all(e <= ab.RTOL for e in row["rel_err"].values())
+    assert set(row["rounds"][0]) == set(kept) and all(t > 0 for t in row["rounds"][0].values())
+    assert (tmp_path / "moe_fp8_ab.png").exists() == (importlib.util.find_spec("matplotlib") is not None)

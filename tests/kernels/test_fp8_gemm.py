@@ -147,6 +147,12 @@ def test_triton_interpreted_contiguous():
         (7, 40, 129, Fp8Config(16, 32, 128, 4, 1, split_k=3)),
         # cfg None: the chooser's decode config (64 x 64 tiles); 9 K blocks over its splits
         (37, 192, 1100, None),
+        # two K blocks a loop step: 5 blocks over 2 splits (3, 2), so split 0's second step reaches into
+        # split 1's first block and must load nothing there; unsplit, the last step runs past K
+        (20, 100, 600, Fp8Config(16, 32, 256, 4, 1, split_k=2)),
+        (20, 100, 600, Fp8Config(16, 32, 256, 4, 1, split_k=1)),
+        # four a step: 9 K blocks over 2 splits (5, 4), K not a multiple of 128
+        (37, 192, 1100, Fp8Config(16, 64, 512, 4, 1, split_k=2)),
     ],
 )
 def test_triton_interpreted_split_k(m, n, k, cfg):
@@ -157,6 +163,17 @@ def test_triton_interpreted_split_k(m, n, k, cfg):
     args = list(map(jnp.asarray, (a, a_s, b, b_s)))
     out = fp8_gemm(*args, out_dtype=jnp.float32, impl="interpret", cfg=cfg)
     assert_close(out, fp8_gemm(*args, out_dtype=jnp.float32, impl="ref"), 1e-6)
+
+
+def test_k_step_takes_whole_scale_blocks():
+    """block_k 256 and 512 load 2 and 4 scale blocks a loop step; 128 and less one; other widths are refused
+    with the reason."""
+    from djax.kernels.fp8_gemm_triton import k_step
+
+    assert [k_step(GemmConfig(16, 64, bk)) for bk in (64, 128, 256, 512)] == [1, 1, 2, 4]
+    for bk in (192, 384, 1024):
+        with pytest.raises(ValueError, match="block_k must be 128, 256 or 512"):
+            k_step(GemmConfig(16, 64, bk))
 
 
 def test_dense_config_splits_k_for_decode():
@@ -301,14 +318,15 @@ def test_fp8_ops_name_a_bad_argument(op, shapes, match, impl):
 
 
 @needs_triton_interp
-@pytest.mark.parametrize("split", [2, 3])
-def test_grouped_split_k_matches_unsplit(split):
+@pytest.mark.parametrize("split,block_k", [(2, 128), (3, 128), (2, 256), (1, 512)])
+def test_grouped_split_k_matches_unsplit(split, block_k):
     """Split-K in both grouped layouts (partials summed after the kernel): live rows equal the reference;
     rows the kernel skips (padding, past a group's count, an empty tile) stay unwritten (nan), as unsplit.
-    5 K blocks over 2 or 3 splits leave the last split short."""
-    rng = np.random.default_rng(6 + split)
+    5 K blocks over 2 or 3 splits leave the last split short; block_k 256 and 512 load 2 and 4 of them a loop
+    step (a step reaching past its split's blocks, or past K)."""
+    rng = np.random.default_rng(6 + split + block_k)
     g, n, k = 3, 64, 600
-    cfg = Fp8Config(16, 32, 128, 4, 1, split_k=split)
+    cfg = Fp8Config(16, 32, block_k, 4, 1, split_k=split)
     m_idx = np.array([1] * 5 + [-1] * 11 + [-1] * 16 + [0] * 16 + [2] * 9 + [-1] * 7, np.int32)
     a, b = _fp8(rng, (m_idx.size, k)), _fp8(rng, (g, n, k))
     args = [

@@ -1,0 +1,134 @@
+"""FP8 routed experts at decode token counts: the Triton kernels' K step, side by side in alternating rounds.
+
+python benchmarks/ab_moe_fp8.py [--tokens 64,32,128,8] [--rounds 3] [--out DIR]   (CUDA GPU)
+python benchmarks/ab_moe_fp8.py --plot DIR/moe_fp8_ab.json                         (only the PNG)
+
+V4-Flash's routed experts (256 of 4,096 x 2,048, top-6, FP8 with 128 x 128 scales) under `bench_moe`'s skewed
+routing, `moe_experts_fp8` with its tiles as the model gets them ("default": 16-row tiles, the fused gate/up
+kernel's columns from `swiglu_config`, the down GEMM's K split from `fp8_split`) against the same tiles loading
+two or four 128-wide K blocks a loop step (block_k 256 or 512: `fp8_gemm_triton.k_step`) in the fused gate/up
+kernel, the down GEMM or both, at several stage counts; and the fused kernel as it was, writing the padding rows
+of its tiles too (as zeros), where it now writes the picks' rows only. Each variant is checked against the jnp
+reference on the first tokens (a wrong one is recorded and not timed); then every round times each once (device
+time from a profiler trace, `bench_kernels.bench`), each round starting with the next variant, and records the
+largest kernels of each. Writes moe_fp8_ab.json (rewritten after every token count) and its PNG under --out: the
+touched experts' FP8 bytes over the time, as a fraction of the run's measured copy bandwidth.
+"""
+
+import argparse
+import functools
+import os
+import sys
+import time
+from dataclasses import replace
+
+sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+import jax  # noqa: E402
+import numpy as np  # noqa: E402
+from ab_plot import save, side_by_side_args  # noqa: E402
+
+D, F, E, K = 4096, 2048, 256, 6  # V4-Flash's routed experts
+LIMIT = 10.0  # the SwiGLU clamp, as bench_moe's
+IMPL = "triton"  # the kernels' impl ("interpret" runs this script's flow on a CPU at small sizes)
+RTOL = 2e-2  # the fused kernel rounds gate and up to bf16 where the reference's order differs (bench_moe: 1.4e-2)
+
+
+def variants(n: int) -> dict:
+    """name -> (cfg, swiglu_cfg, the fused kernel's PAD_ROWS) for `moe_experts_fp8` at n tokens."""
+    from djax.kernels.moe_experts import fp8_config, swiglu_config
+
+    base = fp8_config(n * K, E)
+    fused = swiglu_config(base, n * K, E, F)
+    out = {"default": (None, None, False), "padding rows written (before)": (None, None, True)}
+    for bk, stages in ((256, 4), (256, 3), (512, 2), (512, 3)):
+        down = replace(base, block_k=bk, num_stages=stages)
+        gate_up = replace(fused, block_k=bk, num_stages=stages)
+        out[f"both bk{bk} st{stages}"] = (down, gate_up, False)
+        if stages == (4 if bk == 256 else 2):
+            out[f"gate/up bk{bk} st{stages}"] = (base, gate_up, False)
+            out[f"down bk{bk} st{stages}"] = (down, fused, False)
+    out["both bk128 st6"] = (replace(base, num_stages=6), replace(fused, num_stages=6), False)
+    return out
+
+
+def experts(*a, cfg, swiglu_cfg, pad_rows: bool):
+    """`moe_experts_fp8` with the fused kernel's PAD_ROWS set while it is traced (so compiled into its cubin)."""
+    from djax.kernels import fp8_swiglu_triton as sk
+    from djax.kernels.moe_experts import moe_experts_fp8
+
+    before, sk.PAD_ROWS = sk.PAD_ROWS, pad_rows
+    try:
+        return moe_experts_fp8(*a, LIMIT, impl=IMPL, cfg=cfg, swiglu_cfg=swiglu_cfg)
+    finally:
+        sk.PAD_ROWS = before
+
+
+def plot(result: dict, path: str) -> None:
+    from ab_plot import plot_rounds
+
+    bw = result["copy_bw"]
+    panels = [
+        (
+            f"{row['tokens']} tokens, {row['touched']} experts touched: FP8 bytes / time, fraction of copy",
+            lambda us, nbytes=row["bytes"]: nbytes / (us * 1e-6) / bw,
+            row["rounds"],
+        )
+        for row in result["rows"]
+    ]
+    suptitle = f"FP8 routed experts, K step of the Triton kernels, {result['device']}, {result['date'][:10]}"
+    plot_rounds(panels, "default", 0.7, suptitle, path)
+
+
+def main():
+    p = argparse.ArgumentParser()
+    p.add_argument("--tokens", default="64,32,128,8")
+    args = side_by_side_args(p, 3, plot)
+    if args is None:
+        return
+    from bench_kernels import bench, measure_ceilings
+    from bench_moe import _weights, first_tokens_check, routed_sets
+    from bench_tilelang import rel_err
+
+    from djax.kernels.moe_experts import moe_experts_fp8
+    from djax.quant import quantize
+
+    os.makedirs(args.out, exist_ok=True)
+    copy_bw, _ = measure_ceilings()
+    res = dict(device=jax.devices()[0].device_kind, date=time.strftime("%Y-%m-%d %H:%M:%S"), copy_bw=copy_bw)
+    res["rows"] = []
+    print("copy", copy_bw / 1e12, "TB/s", flush=True)
+    qs = [quantize(w) for w in _weights(jax.random.key(0), E, D, F)]
+    per_expert = sum(q.nbytes for q in qs) // E
+    ref_first, first = first_tokens_check(moe_experts_fp8)
+    for n in [int(t) for t in args.tokens.split(",")]:
+        sets, touched = routed_sets(n, D, E, K, (90, 95), qs)
+        want = np.asarray(jax.jit(ref_first)(*sets[0]), np.float32)
+        row = dict(tokens=n, touched=touched, bytes=touched * per_expert, rel_err={}, rounds=[], kernels={})
+        fns = {}
+        for name, (cfg, fused, pad_rows) in variants(n).items():
+            fn = functools.partial(experts, cfg=cfg, swiglu_cfg=fused, pad_rows=pad_rows)
+            try:
+                got = np.asarray(first(jax.jit(fn)(*sets[0])), np.float32)
+                row["rel_err"][name] = err = rel_err(got, want)
+            except Exception as e:  # noqa: BLE001 - a config that does not build is recorded, not timed
+                row["rel_err"][name] = err = float("inf")
+                print(n, name, "failed:", repr(e)[:300], flush=True)
+            print(n, name, "rel_err", err, flush=True)
+            if err <= RTOL:
+                fns[name] = fn
+        names = list(fns)
+        for r in range(args.rounds):
+            times = {}
+            for name in names[r % len(names) :] + names[: r % len(names)]:
+                wall, dev, kernels = bench(fns[name], sets, trace=True)
+                times[name] = round((dev or wall) * 1e6, 2)
+                row["kernels"].setdefault(name, []).append(kernels)
+            row["rounds"].append(times)
+            frac = {name: round(row["bytes"] / (us * 1e-6) / copy_bw, 3) for name, us in times.items()}
+            print(n, "round", r, times, "of copy", frac, flush=True)
+        res["rows"].append(row)
+        save(res, args.out, "moe_fp8_ab", plot)
+
+
+if __name__ == "__main__":
+    main()
