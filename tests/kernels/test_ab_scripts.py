@@ -182,8 +182,9 @@ def test_moe_fp8_variants_and_run(tmp_path, monkeypatch):
     v = ab.variants(64)
     assert v["default"] == (None, None, False) and v["padding rows written (before)"] == (None, None, True)
     steps = {name: (c.block_k, f.block_k, c.num_stages) for name, (c, f, _) in v.items() if c is not None}
-    assert steps["both bk256 st4"] == (256, 256, 4) and steps["both bk512 st3"] == (512, 512, 3)
-    assert steps["gate/up bk256 st4"] == (128, 256, 4) and steps["down bk512 st2"] == (512, 128, 2)
+    assert steps["both bk256 st4"] == (256, 256, 4) and steps["both bk512 st2"] == (512, 512, 2)
+    assert steps["gate/up bk256 st4"] == (128, 256, 4) and steps["down bk256 st4"] == (256, 128, 4)
+    assert len(v) == 8 and steps["both bk128 st6"] == (128, 128, 6)
     assert all(c.block_m == f.block_m == 16 for c, f, _ in v.values() if c is not None)
     monkeypatch.setattr(ab, "D", 256)
     monkeypatch.setattr(ab, "F", 128)
