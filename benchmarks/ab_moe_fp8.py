@@ -26,7 +26,7 @@ sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 import jax  # noqa: E402
 import jax.numpy as jnp  # noqa: E402
 import numpy as np  # noqa: E402
-from ab_plot import save, side_by_side_args  # noqa: E402
+from ab_plot import one_round, save, side_by_side_args  # noqa: E402
 
 D, F, E, K = 4096, 2048, 256, 6  # V4-Flash's routed experts
 LIMIT = 10.0  # the SwiGLU clamp, as bench_moe's
@@ -86,7 +86,7 @@ def main():
     args = side_by_side_args(p, 3, plot)
     if args is None:
         return
-    from bench_kernels import bench, measure_ceilings
+    from bench_kernels import measure_ceilings
     from bench_moe import first_tokens_check, routed_sets
     from bench_tilelang import rel_err
 
@@ -123,14 +123,10 @@ def main():
             print(n, name, "rel_err", err, flush=True)
             if err <= RTOL:
                 fns[name] = fn
-        names = list(fns)
         for r in range(args.rounds):
-            times = {}
-            for name in names[r % len(names) :] + names[: r % len(names)]:
-                wall, dev, kernels = bench(fns[name], sets, trace=True)
-                times[name] = round((dev or wall) * 1e6, 2)
-                row["kernels"].setdefault(name, []).append(kernels)
-            row["rounds"].append(times)
+            row["rounds"].append(
+                times := one_round({name: (fn, sets) for name, fn in fns.items()}, r, row["kernels"])
+            )
             frac = {name: round(row["bytes"] / (us * 1e-6) / copy_bw, 3) for name, us in times.items()}
             print(n, "round", r, times, "of copy", frac, flush=True)
         res["rows"].append(row)

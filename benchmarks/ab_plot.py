@@ -26,10 +26,11 @@ def side_by_side_args(p, rounds: int, plot=None):
     return args
 
 
-def one_round(timed: dict, rnd: int) -> dict:
+def one_round(timed: dict, rnd: int, kernels: dict | None = None) -> dict:
     """Device microseconds per call of each entry of `timed` (name -> (fn, input sets);
     `bench_kernels.bench`) in round `rnd`, which starts with entry rnd mod len, so that no variant is always
-    timed first (or last)."""
+    timed first (or last). With a `kernels` dict, each entry's largest kernels this round are appended to
+    kernels[name]."""
     from bench_kernels import bench
 
     names = list(timed)
@@ -37,8 +38,10 @@ def one_round(timed: dict, rnd: int) -> dict:
     times = {}
     for name in names[start:] + names[:start]:
         fn, sets = timed[name]
-        wall, dev, _ = bench(fn, sets, trace=True)
+        wall, dev, top = bench(fn, sets, trace=True)
         times[name] = round((dev or wall) * 1e6, 2)
+        if kernels is not None:
+            kernels.setdefault(name, []).append(top)
     return times
 
 

@@ -33,6 +33,9 @@ def test_one_round_starts_each_round_with_the_next_variant():
         start = "abc".index(first)
         assert traced == list("abc"[start:] + "abc"[:start])
         assert sorted(times) == ["a", "b", "c"] and all(t > 0 for t in times.values())
+    kernels = {"a": ["earlier"]}
+    ab_plot.one_round(timed, 0, kernels)  # each variant's largest kernels appended (none recorded on a CPU)
+    assert kernels == {"a": ["earlier", {}], "b": [{}], "c": [{}]}
 
 
 def test_side_by_side_args_replots_and_stops(tmp_path, monkeypatch):
@@ -203,4 +206,5 @@ def test_moe_fp8_variants_and_run(tmp_path, monkeypatch):
     assert row["tokens"] == 3 and 0 < row["touched"] <= 6 and row["bytes"] > 0 and res["copy_bw"] == 3e12
     assert set(row["rel_err"]) == set(kept) and all(e <= ab.RTOL for e in row["rel_err"].values())
     assert set(row["rounds"][0]) == set(kept) and all(t > 0 for t in row["rounds"][0].values())
+    assert row["kernels"] == {name: [{}] for name in kept}  # one round's kernels each (none on a CPU)
     assert (tmp_path / "moe_fp8_ab.png").exists() == (importlib.util.find_spec("matplotlib") is not None)
