@@ -118,6 +118,11 @@ class WsTiling:
     With groups padded to 128 rows, the last tile of a group of r rows is such a tile when r mod 128 is
     1 to 64.
 
+    `persistent` ("static" or "atomic"; 128x256 tiles with the scales ahead): one CTA per SM walks the tiles
+    instead of one CTA a tile, its ring running on across tiles and each tile's store drained under the next
+    one's k loop; it takes the next tile in a fixed order or from a counter in global memory
+    (`fp8_persistent`, a CUDA kernel of its own with the default's k loop).
+
     With m under block_m (decode), A's TMA box (and with smem_scales its scales') spans A's m rows, not
     block_m: a box reaching past the end of A is filled slowly (at m 8, n 4096, k 7168 the decode GEMM took
     14.3-14.6 us with 64-row boxes and 9.9-10.1 with 8 on the H200). The shared rows past m are never written
@@ -137,6 +142,7 @@ class WsTiling:
     push_regs: bool = False
     cache_hints: bool = False
     half_tiles: bool = False
+    persistent: str = ""
 
     @property
     def consumer_wgs(self) -> int:
@@ -176,6 +182,7 @@ class WsTiling:
         tail += "_pr" if self.push_regs else ""
         tail += "_ch" if self.cache_hints else ""
         tail += "_ht" if self.half_tiles else ""
+        tail += f"_pers_{self.persistent}" if self.persistent else ""
         return f"ws{self.block_m}x{self.block_n}s{self.stages}{tail}"
 
 
@@ -197,7 +204,12 @@ MEASURED_WS_BEST = {
     # (tilelang_fp8_gemm_h200_early_store_yield_ab.json, _two_ctas_ab.json, _clocks_persistent.json):
     # 117.1-117.7, 117.4-117.9 and 116.4-117.1 us against 118.9-120.3, 118.0-120.6 and 117.7-117.9 at
     # 4096^3; at k 7168 it was 0.4-0.9% slower every time, so not taken there
-    ("prefill", 4096, 4096): WsTiling(128, 256, 3, panel=8, scales_ahead=True, early_store=True),
+    # (that early store was the default here until 2026-12-07.) One CTA per SM walking the tiles in a fixed
+    # order (fp8_persistent), side by side with the early store on an 80 GB H100 in 7 rounds over two calls
+    # (tilelang_fp8_gemm_h100_persistent_ab.json, _more_ab.json): 114.8-116.2 us against 115.8-118.0 at
+    # 4096^3 (60.2% of FP8 peak at the median), 222.5-224.4 against 226.3-227.3 at m 8192; taking each next
+    # tile from a counter instead tied it (114.7-115.9, 221.9-222.9)
+    ("prefill", 4096, 4096): WsTiling(128, 256, 3, panel=8, scales_ahead=True, persistent="static"),
     ("decode", 16384, 7168): WsTiling(64, 128, 8, smem_scales=True),  # 32.2 us
     # two consumer warpgroups over k, the 2 splits summed in their cluster, the sum pushed by bulk copy:
     # 11.27-11.38 us against 11.46-11.60 pulled (tilelang_fp8_gemm_h200_decode_push3_ab.json; with the early
@@ -266,6 +278,9 @@ WS_VARIANTS = {  # tilings worth timing (measured best first, then the newer one
         WsTiling(128, 256, 3, 8, scales_ahead=True),
         # the first slice's TMA store issued under the second slice's staging, one wait for both
         WsTiling(128, 256, 3, 8, scales_ahead=True, early_store=True),
+        # one CTA per SM walking its tiles in a fixed order, or taking each next one from a counter
+        WsTiling(128, 256, 3, 8, scales_ahead=True, persistent="static"),
+        WsTiling(128, 256, 3, 8, scales_ahead=True, persistent="atomic"),
     ),
     "decode": (
         WsTiling(64, 32, 8),
@@ -369,6 +384,10 @@ def cuda_program(m: int, n: int, k: int, tiling: Tiling):
 
 def check_ws_tiling(m: int, n: int, k: int, tiling: WsTiling) -> None:
     check_shapes(m, n, k)
+    if tiling.persistent:
+        from djax.kernels import fp8_persistent
+
+        fp8_persistent.check(m, n, k, tiling)
     if tiling.cache_hints and tiling.k_groups < 2:
         raise ValueError(f"cache_hints is an option of the k-group program (k_groups > 1): {tiling}")
     if tiling.k_groups > 1:
@@ -459,10 +478,16 @@ def ws_program(m: int, n: int, k: int, tiling: WsTiling, groups: int = 0):
     import tilelang.language as T
 
     check_ws_tiling(m, n, k, tiling)
-    if groups and (tiling.split_k > 1 or tiling.smem_scales or tiling.early_store or m % tiling.block_m):
+    if groups and (
+        tiling.split_k > 1
+        or tiling.smem_scales
+        or tiling.early_store
+        or tiling.persistent
+        or m % tiling.block_m
+    ):
         raise ValueError(
             f"the grouped program takes whole tiles of rows (m {m} a multiple of block_m), no split of k, no "
-            f"shared-memory scales and no early store: {tiling}"
+            f"shared-memory scales, no early store and one tile a CTA: {tiling}"
         )
     if tiling.half_tiles and not (groups and tiling.block_m == 128 and tiling.by_rows):
         raise ValueError(f"half_tiles is for the grouped program's 128-row tiles (two warpgroups): {tiling}")
@@ -682,6 +707,10 @@ def lower_ws(m: int, n: int, k: int, tiling: WsTiling | None = None, groups: int
     warpgroup included), shared_bytes, name, and params (per kernel parameter: an FFI buffer index for a pointer,
     or a `djax.ffi.tma.TensorMap`). groups > 0: the grouped contiguous program (`ws_program`). No GPU needed."""
     tiling = tiling or (default_grouped_tiling(n, k) if groups else default_ws_tiling(m, n, k))
+    if tiling.persistent and not groups:  # (the grouped program refuses it)
+        from djax.kernels import fp8_persistent
+
+        return fp8_persistent.lower(m, n, k, tiling)
     art = lower(ws_program(m, n, k, tiling, groups), {"kind": "cuda", "arch": ARCH}, HOPPER)
     source, launch = tma_kernel(art, _GROUPED_PARAMS if groups else _PARAMS)
     if tiling.sums_in_cluster:
@@ -809,6 +838,10 @@ def cuda_kernel(m: int, n: int, k: int, tiling: Tiling | None = None) -> CudaKer
 
 def ws_sources(tiling: WsTiling) -> tuple[str, ...]:
     """The modules whose text the "ws" lowering of `tiling` depends on (part of its disk cache key)."""
+    if tiling.persistent:
+        from djax.kernels import fp8_persistent  # the kernel and its constants
+
+        return (__file__, tilelang_build.__file__, fp8_persistent.__file__, str(fp8_persistent.SOURCE))
     if tiling.k_groups == 1:
         return (__file__, tilelang_build.__file__)
     from djax.kernels import fp8_decode_tilelang  # the program and its cluster code
@@ -829,6 +862,10 @@ def ws_kernel(m: int, n: int, k: int, tiling: WsTiling | None = None, groups: in
         )
     else:
         source, launch = lowered_on_disk("fp8_gemm_ws", (m, n, k, tiling), lower_ws, ws_sources(tiling))
+    if tiling.persistent:  # one CTA per SM of this GPU
+        from djax.kernels import fp8_persistent
+
+        launch = {**launch, "grid": (fp8_persistent.ctas(m, n), 1, 1)}
     binary = nvcc_cubin(source)
     key = "tlws-" + hashlib.sha256(binary).hexdigest()[:24]
     return TmaKernel.from_launch(key, binary, launch)

@@ -199,7 +199,13 @@ def test_ws_cubins_for_sm90_without_a_gpu(tmp_path, monkeypatch, phase):
     assert kern.threads in (256, 384) and kern.shared_bytes > 48 * 1024
 
 
-NEW_WS = [t for ts in WS_VARIANTS.values() for t in ts if t.smem_scales or t.block_n > 128 or t.warpgroups]
+NEW_WS = [
+    t
+    for ts in WS_VARIANTS.values()
+    for t in ts
+    if (t.smem_scales or t.block_n > 128 or t.warpgroups) and not t.persistent  # (its own test below)
+]
+PERSISTENT = [t for ts in WS_VARIANTS.values() for t in ts if t.persistent]
 
 
 @needs_tilelang
@@ -248,6 +254,71 @@ def test_ws_new_layouts_lower(tiling, m):
         assert src.count("tl::tma_load(B_desc") == 2
     kern = tma.TmaKernel("x", launch["name"], b"", launch["grid"], launch["threads"], 0, launch["params"])
     assert tma.check(kern, _sizes(m, n, k, tiling.split_k)) == 5
+
+
+@needs_tilelang
+@needs_cuda_h
+@pytest.mark.parametrize("tiling", PERSISTENT, ids=lambda t: t.name)
+@pytest.mark.parametrize("m,n,k", [(4096, 4096, 4096), (2100, 4096, 512), (100, 512, 1024)])
+def test_persistent_lowers_with_the_default_plan(tiling, m, n, k):
+    """No GPU needed: the persistent kernel takes the kernel parameters of TileLang's one-tile-a-CTA lowering
+    of the same tiles (the same tensor maps: A's box of m rows when A is one partial tile), one CTA per SM or
+    per tile where there are fewer tiles, its ring and its own 64 KB of staging, and its constants for the
+    shape; the C++ checker accepts the plan."""
+    import dataclasses
+
+    from djax.ffi import tma
+    from djax.kernels.fp8_gemm_tilelang import lower_ws
+
+    src, launch = lower_ws(m, n, k, tiling)
+    _, plain = lower_ws(m, n, k, dataclasses.replace(tiling, persistent=""))
+    tiles = -(-m // 128) * (n // 256)
+    assert launch["params"] == plain["params"] and launch["threads"] == plain["threads"] == 384
+    assert launch["grid"] == (min(tiles, 132), 1, 1)  # 132 SMs off CUDA (`dispatch.sm_count`)
+    assert launch["shared_bytes"] == 3 * 3 * 128 * 128 + 2 * 128 * 256 <= 227 * 1024
+    atomic = int(tiling.persistent == "atomic")
+    for define in (f"DJAX_M {m}", f"DJAX_N_TILES {n // 256}", f"DJAX_KB {k // 128}", "DJAX_STAGES 3"):
+        assert f"#define {define}\n" in src
+    assert f"#define DJAX_A_ROWS {min(m, 128)}\n" in src and f"#define DJAX_ATOMIC {atomic}\n" in src
+    kern = tma.TmaKernel("x", launch["name"], b"", launch["grid"], launch["threads"], 0, launch["params"])
+    assert tma.check(kern, _sizes(m, n, k)) == 5
+
+
+@needs_tilelang
+@needs_nvcc
+@pytest.mark.slow
+def test_persistent_cubins_for_sm90_without_a_gpu(tmp_path, monkeypatch):
+    """Both schedules compile to sm_90a cubins; the atomic one keeps its tile counter in the module."""
+    monkeypatch.setenv("DJAX_FFI_CACHE", str(tmp_path / "ffi"))
+    from djax.kernels.fp8_gemm_tilelang import ws_kernel
+
+    for tiling in PERSISTENT:
+        kern = ws_kernel.__wrapped__(2100, 4096, 512, tiling)
+        assert kern.binary[:4] == b"\x7fELF" and kern.name.encode() in kern.binary
+        assert kern.grid == (132, 1, 1) and kern.shared_bytes == 212992
+        assert (b"next_tile" in kern.binary) == (tiling.persistent == "atomic")
+
+
+def test_persistent_refusals():
+    from djax.kernels.fp8_gemm_tilelang import WsTiling, check_ws_tiling, ws_program
+
+    good = WsTiling(128, 256, 3, 8, scales_ahead=True, persistent="atomic")
+    check_ws_tiling(100, 512, 1024, good)
+    assert good.name == "ws128x256s3_p8_sa_pers_atomic"
+    for bad in (
+        WsTiling(128, 128, 3, 8, scales_ahead=True, persistent="atomic"),  # 128x256 tiles only
+        WsTiling(128, 256, 3, 8, persistent="static"),  # its k loop loads the scales ahead
+        WsTiling(128, 256, 3, 8, scales_ahead=True, early_store=True, persistent="static"),
+        WsTiling(128, 256, 3, 8, split_k=2, scales_ahead=True, persistent="static"),
+        WsTiling(128, 256, 4, 8, scales_ahead=True, persistent="static"),  # 4 stages + staging: 256 KB
+        WsTiling(128, 256, 3, 8, scales_ahead=True, persistent="dynamic"),
+    ):
+        with pytest.raises(ValueError):
+            check_ws_tiling(4096, 4096, 4096, bad)
+    with pytest.raises(ValueError, match="multiple of 256"):
+        check_ws_tiling(4096, 384, 4096, good)
+    with pytest.raises(ValueError, match="one tile a CTA"):  # the grouped program has no persistent form
+        ws_program(256, 512, 512, good, groups=2)
 
 
 K_GROUPS = [t for t in WS_VARIANTS["decode"] if t.k_groups > 1]
@@ -651,6 +722,30 @@ def test_tilelang_ws_matches_ref_on_gpu(tiling, m, n, k):
     ref = jax.jit(functools.partial(fp8_gemm_ref, out_dtype=jnp.float32))(a, sa, b, sb)
     assert out.dtype == jnp.bfloat16 and out.shape == (m, n)
     assert_close(np.asarray(out.astype(jnp.float32)), np.asarray(ref), rtol=BF16_OUT_RTOL)
+
+
+@needs_tilelang
+@pytest.mark.gpu
+@pytest.mark.parametrize("tiling", PERSISTENT, ids=lambda t: t.name)
+def test_persistent_kernel_again_and_again(tiling):
+    """One persistent kernel (272 tiles over the SMs: two or three a CTA) three times in one jit over different
+    inputs, then three steps of a scan (XLA may run it from a command buffer): every call computes every tile,
+    so the atomic schedule's tile counter is back at zero after each launch."""
+    if jax.default_backend() != "gpu":
+        pytest.skip("needs a CUDA GPU")
+    from djax.kernels.fp8_gemm_tilelang import fp8_gemm_tilelang
+
+    m, n, k = 2100, 4096, 512
+    calls = [_inputs(seed, m, n, k) for seed in (31, 32, 33)]
+    gemm = functools.partial(fp8_gemm_tilelang, tiling=tiling)
+    ref = jax.jit(functools.partial(fp8_gemm_ref, out_dtype=jnp.float32))
+    outs = jax.jit(lambda calls: [gemm(*x) for x in calls])(calls)
+    stacked = [jnp.stack(parts) for parts in zip(*calls)]
+    _, scanned = jax.jit(lambda xs: jax.lax.scan(lambda c, x: (c, gemm(*x)), 0, xs))(stacked)
+    for i, x in enumerate(calls):
+        want = np.asarray(ref(*x))
+        assert_close(np.asarray(outs[i].astype(jnp.float32)), want, rtol=BF16_OUT_RTOL)
+        assert_close(np.asarray(scanned[i].astype(jnp.float32)), want, rtol=BF16_OUT_RTOL)
 
 
 @needs_tilelang

@@ -1,0 +1,86 @@
+"""The FP8 prefill GEMM as a persistent kernel (`fp8_gemm_persistent.cu`): one CTA per SM walks 128x256 tiles.
+
+Why. At 4096^3 the one-tile-a-CTA default spends about 4.6 us of each tile on work that does not depend on k
+(its CTA's start and first stage, the last wgmmas, the store and its wait), 16% of the tile, with the SM's
+tensor cores idle (kernels/NOTES.md). Here the ring's loads run on into the next tile and each tile's store
+drains under the next tile's k loop. An earlier persistent form (TileLang-written, 2026-12-01/02) tied the
+default with a cold L2 and lost 3-4% back to back; it gave every CTA its tiles up front (c, c + CTAs, ...),
+while the hardware gives a freed SM the next CTA. `schedule="atomic"` takes each next tile from a counter in
+global memory instead; `"static"` keeps the fixed walk, to compare.
+
+The kernel keeps the default's k loop (`WsTiling(128, 256, 3, panel=8, scales_ahead=True)` as TileLang lowers
+it) and its kernel parameters, so the launch plan (tensor maps for A, B and C; AS and BS as pointers) is the
+one TileLang's lowering of that tiling gives; only the grid (one CTA per SM, fewer when there are fewer
+tiles) and the shared memory (its own 64 KB of staging beside the ring) differ.
+"""
+
+import dataclasses
+from pathlib import Path
+
+SOURCE = Path(__file__).with_name("fp8_gemm_persistent.cu")
+SCHEDULES = ("static", "atomic")
+BLOCK = 128
+STAGE_BYTES = 3 * BLOCK * BLOCK  # A's 128 rows and B's two 128-row slices, fp8, per k block
+STAGING_BYTES = 2 * 2 * BLOCK * BLOCK  # the bf16 tile (128 x 256) out of its own buffer
+MAX_SHARED = 227 * 1024  # what a CTA may have on an H100 or H200
+
+
+def shared_bytes(stages: int) -> int:
+    return stages * STAGE_BYTES + STAGING_BYTES
+
+
+def tiles(m: int, n: int) -> int:
+    return -(-m // BLOCK) * (n // 256)
+
+
+def ctas(m: int, n: int) -> int:
+    """One CTA per SM of this GPU, fewer when there are fewer tiles."""
+    from djax.kernels.dispatch import sm_count
+
+    return min(tiles(m, n), sm_count())
+
+
+def check(m: int, n: int, k: int, tiling) -> None:
+    """Raises ValueError where the persistent kernel does not take `tiling` or the shape."""
+    t = tiling
+    if t.persistent not in SCHEDULES:
+        raise ValueError(f"persistent must be one of {SCHEDULES}: {t}")
+    plain = dataclasses.replace(t, persistent="", stages=3, panel=0)
+    if plain != type(t)(128, 256, 3, scales_ahead=True):
+        raise ValueError(
+            f"the persistent kernel takes 128x256 tiles with the scales ahead and no other option: {t}"
+        )
+    if n % 256:
+        raise ValueError(f"the persistent kernel needs n a multiple of 256: {t} at n={n}")
+    if not 1 <= t.stages or shared_bytes(t.stages) > MAX_SHARED:
+        raise ValueError(f"the persistent kernel's ring and staging fit 1 to 3 stages in 227 KB: {t}")
+
+
+def source(m: int, n: int, k: int, tiling) -> str:
+    """The kernel's CUDA source for one shape and tiling (its constants defined ahead of the file's text)."""
+    consts = dict(
+        DJAX_M=m,
+        DJAX_N_TILES=n // 256,
+        DJAX_KB=k // BLOCK,
+        DJAX_STAGES=tiling.stages,
+        DJAX_PANEL=tiling.panel,
+        DJAX_A_ROWS=min(m, BLOCK),
+        DJAX_ATOMIC=int(tiling.persistent == "atomic"),
+    )
+    return "".join(f"#define {name} {value}\n" for name, value in consts.items()) + SOURCE.read_text()
+
+
+def lower(m: int, n: int, k: int, tiling) -> tuple[str, dict]:
+    """(CUDA source, launch description) as `fp8_gemm_tilelang.lower_ws` gives them: the launch plan is that of
+    TileLang's lowering of the same tiles one a CTA (the same kernel parameters), with this kernel's shared
+    memory and one CTA per SM (`ctas`; `ws_kernel` sets it again for the GPU it runs on, past the disk cache)."""
+    from djax.kernels.fp8_gemm_tilelang import lower_ws
+
+    check(m, n, k, tiling)
+    plain_source, launch = lower_ws(m, n, k, dataclasses.replace(tiling, persistent=""))
+    start = plain_source.index("__launch_bounds__")
+    signature = plain_source[start : plain_source.index("{", start)]
+    text = source(m, n, k, tiling)
+    if signature not in text:  # the parameters the plan describes must be this kernel's, in order
+        raise NotImplementedError(f"TileLang's lowering has another kernel signature: {signature}")
+    return text, {**launch, "grid": (ctas(m, n), 1, 1), "shared_bytes": shared_bytes(tiling.stages)}
