@@ -207,8 +207,10 @@ MEASURED_WS_BEST = {
     # (that early store was the default here until 2026-12-07.) One CTA per SM walking the tiles in a fixed
     # order (fp8_persistent), side by side with the early store on an 80 GB H100 in 7 rounds over two calls
     # (tilelang_fp8_gemm_h100_persistent_ab.json, _more_ab.json): 114.8-116.2 us against 115.8-118.0 at
-    # 4096^3 (60.2% of FP8 peak at the median), 222.5-224.4 against 226.3-227.3 at m 8192; taking each next
-    # tile from a counter instead tied it (114.7-115.9, 221.9-222.9)
+    # 4096^3 (60.2% of FP8 peak at the median), 222.5-224.4 against 226.3-227.3 at m 8192; on a second H100
+    # 118.1-118.7 against 118.9-119.3 and 230.3-231.4 against 232.6-233.4 (_second_machine_ab.json). Taking
+    # each next tile from a counter instead tied it at 4096^3 and was 0.5-1% faster at m 8192; at k 7168 the
+    # persistent kernel tied or lost up to 1.3%, so it is not taken there
     ("prefill", 4096, 4096): WsTiling(128, 256, 3, panel=8, scales_ahead=True, persistent="static"),
     ("decode", 16384, 7168): WsTiling(64, 128, 8, smem_scales=True),  # 32.2 us
     # two consumer warpgroups over k, the 2 splits summed in their cluster, the sum pushed by bulk copy:
