@@ -5,8 +5,8 @@ Why. At 4096^3 the one-tile-a-CTA default spends about 4.6 us of each tile on wo
 tensor cores idle (kernels/NOTES.md). Here the ring's loads run on into the next tile and each tile's store
 drains under the next tile's k loop. An earlier persistent form (TileLang-written, 2026-12-01/02) tied the
 default with a cold L2 and lost 3-4% back to back; it gave every CTA its tiles up front (c, c + CTAs, ...),
-while the hardware gives a freed SM the next CTA. `schedule="atomic"` takes each next tile from a counter in
-global memory instead; `"static"` keeps the fixed walk, to compare.
+while the hardware gives a freed SM the next CTA. `WsTiling(persistent="atomic")` takes each next tile from a
+counter in global memory instead; `"static"` keeps the fixed walk (the default where this kernel is).
 
 The kernel keeps the default's k loop (`WsTiling(128, 256, 3, panel=8, scales_ahead=True)` as TileLang lowers
 it) and its kernel parameters, so the launch plan (tensor maps for A, B and C; AS and BS as pointers) is the
