@@ -19,8 +19,9 @@
 //
 // The counter (DJAX_ATOMIC 1) lives in the module (zero when it is loaded) and is zero again when a launch
 // ends: every CTA takes exactly one index past the last tile, then counts itself done, and the CTA that
-// counts last resets both. So launches of one loaded kernel must not run concurrently (XLA runs a device's
-// kernels on one stream).
+// counts last resets both. So launches of one loaded kernel must not overlap (XLA runs a device's kernels on
+// one stream, and its default command-buffer mode keeps them in order), and a launch that aborts part way
+// leaves the counter set for the module's life.
 //
 // Defined by the caller (djax/kernels/fp8_persistent.py): DJAX_M (rows of A), DJAX_N_TILES (n / 256),
 // DJAX_KB (k / 128), DJAX_STAGES, DJAX_PANEL (tile rows per rasterisation panel, 0: row-major order),
@@ -56,7 +57,7 @@ __device__ __forceinline__ void tile_coords(int t, int& bx, int& by) {
     bx = t % N_TILES;
     by = t / N_TILES;
   } else {
-    constexpr int panel_size = PANEL * N_TILES;
+    constexpr int panel_size = (PANEL > 0 ? PANEL : 1) * N_TILES;  // (checked even where PANEL is 0)
     constexpr int panels = (TILES + panel_size - 1) / panel_size;
     const int panel = t / panel_size, offset = t % panel_size;
     const int stride = panel + 1 < panels ? PANEL : (TILES - panel * panel_size) / N_TILES;
@@ -126,6 +127,7 @@ extern "C" __global__ void __launch_bounds__(384, 1) fp8_gemm_kernel(const float
 #if DJAX_ATOMIC
       __threadfence();  // this CTA's last take of next_tile before its count in ctas_done
       if (atomicAdd(&ctas_done, 1) == ((int)gridDim.x) - 1) {
+        __threadfence();  // every other CTA's counts before the reset
         atomicExch(&next_tile, 0);
         atomicExch(&ctas_done, 0);
       }

@@ -121,7 +121,8 @@ class WsTiling:
     `persistent` ("static" or "atomic"; 128x256 tiles with the scales ahead): one CTA per SM walks the tiles
     instead of one CTA a tile, its ring running on across tiles and each tile's store drained under the next
     one's k loop; it takes the next tile in a fixed order or from a counter in global memory
-    (`fp8_persistent`, a CUDA kernel of its own with the default's k loop).
+    (`fp8_persistent`, a CUDA kernel of its own with the default's k loop). With "atomic", launches of one
+    compiled kernel must not overlap (XLA's one stream and default command-buffer mode keep them in order).
 
     With m under block_m (decode), A's TMA box (and with smem_scales its scales') spans A's m rows, not
     block_m: a box reaching past the end of A is filled slowly (at m 8, n 4096, k 7168 the decode GEMM took

@@ -22,7 +22,7 @@ SCHEDULES = ("static", "atomic")
 BLOCK = 128
 STAGE_BYTES = 3 * BLOCK * BLOCK  # A's 128 rows and B's two 128-row slices, fp8, per k block
 STAGING_BYTES = 2 * 2 * BLOCK * BLOCK  # the bf16 tile (128 x 256) out of its own buffer
-MAX_SHARED = 227 * 1024  # what a CTA may have on an H100 or H200
+MAX_SHARED = 227 * 1024 - 1024  # what a CTA may have on an H100 or H200, less the kernel's static barriers
 
 
 def shared_bytes(stages: int) -> int:
@@ -52,6 +52,8 @@ def check(m: int, n: int, k: int, tiling) -> None:
         )
     if n % 256:
         raise ValueError(f"the persistent kernel needs n a multiple of 256: {t} at n={n}")
+    if t.panel < 0:
+        raise ValueError(f"panel must be 0 (row-major tiles) or a number of tile rows: {t}")
     if not 1 <= t.stages or shared_bytes(t.stages) > MAX_SHARED:
         raise ValueError(f"the persistent kernel's ring and staging fit 1 to 3 stages in 227 KB: {t}")
 
@@ -83,4 +85,7 @@ def lower(m: int, n: int, k: int, tiling) -> tuple[str, dict]:
     text = source(m, n, k, tiling)
     if signature not in text:  # the parameters the plan describes must be this kernel's, in order
         raise NotImplementedError(f"TileLang's lowering has another kernel signature: {signature}")
+    a_box = launch["params"][1].box  # (k, rows): the bytes A's load brings must be those the kernel expects
+    if a_box != (BLOCK, min(m, BLOCK)):
+        raise NotImplementedError(f"TileLang's lowering has another box for A: {a_box}")
     return text, {**launch, "grid": (ctas(m, n), 1, 1), "shared_bytes": shared_bytes(tiling.stages)}

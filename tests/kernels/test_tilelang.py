@@ -261,20 +261,18 @@ def test_ws_new_layouts_lower(tiling, m):
 @pytest.mark.parametrize("tiling", PERSISTENT, ids=lambda t: t.name)
 @pytest.mark.parametrize("m,n,k", [(4096, 4096, 4096), (2100, 4096, 512), (100, 512, 1024)])
 def test_persistent_lowers_with_the_default_plan(tiling, m, n, k):
-    """No GPU needed: the persistent kernel takes the kernel parameters of TileLang's one-tile-a-CTA lowering
-    of the same tiles (the same tensor maps: A's box of m rows when A is one partial tile), one CTA per SM or
-    per tile where there are fewer tiles, its ring and its own 64 KB of staging, and its constants for the
+    """No GPU needed: the persistent kernel is launched with the plan of TileLang's one-tile-a-CTA lowering of
+    the same tiles (A's box of m rows when A is one partial tile, the bytes the kernel expects), one CTA per SM
+    or per tile where there are fewer tiles, its ring and its own 64 KB of staging, and its constants for the
     shape; the C++ checker accepts the plan."""
-    import dataclasses
-
     from djax.ffi import tma
+    from djax.kernels.dispatch import sm_count
     from djax.kernels.fp8_gemm_tilelang import lower_ws
 
     src, launch = lower_ws(m, n, k, tiling)
-    _, plain = lower_ws(m, n, k, dataclasses.replace(tiling, persistent=""))
     tiles = -(-m // 128) * (n // 256)
-    assert launch["params"] == plain["params"] and launch["threads"] == plain["threads"] == 384
-    assert launch["grid"] == (min(tiles, 132), 1, 1)  # 132 SMs off CUDA (`dispatch.sm_count`)
+    assert launch["threads"] == 384 and launch["params"][1].box == (128, min(m, 128))
+    assert launch["grid"] == (min(tiles, sm_count()), 1, 1)
     assert launch["shared_bytes"] == 3 * 3 * 128 * 128 + 2 * 128 * 256 <= 227 * 1024
     atomic = int(tiling.persistent == "atomic")
     for define in (f"DJAX_M {m}", f"DJAX_N_TILES {n // 256}", f"DJAX_KB {k // 128}", "DJAX_STAGES 3"):
@@ -290,12 +288,13 @@ def test_persistent_lowers_with_the_default_plan(tiling, m, n, k):
 def test_persistent_cubins_for_sm90_without_a_gpu(tmp_path, monkeypatch):
     """Both schedules compile to sm_90a cubins; the atomic one keeps its tile counter in the module."""
     monkeypatch.setenv("DJAX_FFI_CACHE", str(tmp_path / "ffi"))
+    from djax.kernels.dispatch import sm_count
     from djax.kernels.fp8_gemm_tilelang import ws_kernel
 
     for tiling in PERSISTENT:
         kern = ws_kernel.__wrapped__(2100, 4096, 512, tiling)
         assert kern.binary[:4] == b"\x7fELF" and kern.name.encode() in kern.binary
-        assert kern.grid == (132, 1, 1) and kern.shared_bytes == 212992
+        assert kern.grid == (min(272, sm_count()), 1, 1) and kern.shared_bytes == 212992
         assert (b"next_tile" in kern.binary) == (tiling.persistent == "atomic")
 
 
@@ -312,6 +311,7 @@ def test_persistent_refusals():
         WsTiling(128, 256, 3, 8, split_k=2, scales_ahead=True, persistent="static"),
         WsTiling(128, 256, 4, 8, scales_ahead=True, persistent="static"),  # 4 stages + staging: 256 KB
         WsTiling(128, 256, 3, 8, scales_ahead=True, persistent="dynamic"),
+        WsTiling(128, 256, 3, -1, scales_ahead=True, persistent="static"),  # a tile order past the grid
     ):
         with pytest.raises(ValueError):
             check_ws_tiling(4096, 4096, 4096, bad)
@@ -733,9 +733,33 @@ def test_persistent_kernel_again_and_again(tiling):
     so the atomic schedule's tile counter is back at zero after each launch."""
     if jax.default_backend() != "gpu":
         pytest.skip("needs a CUDA GPU")
+    _persistent_again_and_again(tiling, 2100, 4096, 512)
+
+
+@needs_tilelang
+@pytest.mark.gpu
+@pytest.mark.parametrize("schedule", ["static", "atomic"])
+@pytest.mark.parametrize(
+    "m,n,k,panel",
+    [
+        (2100, 4096, 128, 8),  # one k block a tile, fewer than the stages: the next tile taken in its first
+        (4000, 2048, 256, 0),  # row-major tile order, the last tile row partial
+        (8192, 1024, 384, 3),  # panels of 3 tile rows, the last panel of 1
+    ],
+)
+def test_persistent_kernel_short_k_and_tile_orders(schedule, m, n, k, panel):
+    """Tiles of 1 to 3 k blocks (the ring runs on across tiles whose k loop is no longer than it) and the
+    other tile orders, 256 or 272 tiles (about two a CTA), each call against the reference."""
+    if jax.default_backend() != "gpu":
+        pytest.skip("needs a CUDA GPU")
+    from djax.kernels.fp8_gemm_tilelang import WsTiling
+
+    _persistent_again_and_again(WsTiling(128, 256, 3, panel, scales_ahead=True, persistent=schedule), m, n, k)
+
+
+def _persistent_again_and_again(tiling, m, n, k):
     from djax.kernels.fp8_gemm_tilelang import fp8_gemm_tilelang
 
-    m, n, k = 2100, 4096, 512
     calls = [_inputs(seed, m, n, k) for seed in (31, 32, 33)]
     gemm = functools.partial(fp8_gemm_tilelang, tiling=tiling)
     ref = jax.jit(functools.partial(fp8_gemm_ref, out_dtype=jnp.float32))
