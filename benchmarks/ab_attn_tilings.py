@@ -25,7 +25,7 @@ sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 import jax  # noqa: E402
 import jax.numpy as jnp  # noqa: E402
 import numpy as np  # noqa: E402
-from ab_plot import one_round, save, side_by_side_args  # noqa: E402
+from ab_plot import save, side_by_side_args, timed_rounds  # noqa: E402
 
 from djax.kernels.sparse_attn import sparse_decode  # noqa: E402
 
@@ -149,10 +149,8 @@ def main():
             print(b, name, "rel_err", err, flush=True)
         ok = {name for name, err in row["rel_err"].items() if isinstance(err, float) and err <= RTOL}
         timed = {name: (fn, sets) for name, fn in fns.items() if name in ok}
-        for r in range(args.rounds):
-            row["rounds"].append(times := one_round(timed, r))
-            of_copy = {n: round(nbytes / (us * 1e-6) / bw, 4) for n, us in times.items()}
-            print(b, "round", r, times, "of copy", of_copy, flush=True)
+        for times in timed_rounds(timed, args.rounds, (b,), (nbytes, bw, "copy")):
+            row["rounds"].append(times)
             save(res, args.out, "attn_tilings_ab", plot)
 
 

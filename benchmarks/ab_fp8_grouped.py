@@ -25,7 +25,7 @@ sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 import jax  # noqa: E402
 import jax.numpy as jnp  # noqa: E402
 import numpy as np  # noqa: E402
-from ab_plot import one_round, save, side_by_side_args  # noqa: E402
+from ab_plot import save, side_by_side_args, timed_rounds  # noqa: E402
 
 from djax.kernels import fp8_gemm_tilelang as F  # noqa: E402
 
@@ -147,10 +147,7 @@ def main():
             print(name, vname, "rel_err", err, "ok" if err <= RTOL else "WRONG", flush=True)
             fns[vname] = fn, vsets
         timed = {v: x for v, x in fns.items() if row["rel_err"][v] <= RTOL}
-        for rnd in range(args.rounds):
-            row["rounds"].append(times := one_round(timed, rnd))
-            frac = {v: round(row["flops"] / (us * 1e-6) / FP8_PEAK, 4) for v, us in times.items()}
-            print(name, "round", rnd, times, "of FP8 peak", frac, flush=True)
+        row["rounds"] += timed_rounds(timed, args.rounds, (name,), (row["flops"], FP8_PEAK, "FP8 peak"))
         res["rows"].append(row)
         save(res, args.out, "fp8_grouped_ab", plot)
 

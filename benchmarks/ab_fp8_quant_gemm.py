@@ -32,7 +32,7 @@ sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 import jax  # noqa: E402
 import jax.numpy as jnp  # noqa: E402
 import numpy as np  # noqa: E402
-from ab_plot import one_round, save, side_by_side_args  # noqa: E402
+from ab_plot import save, side_by_side_args, timed_rounds  # noqa: E402
 
 from djax.kernels import fp8_quant_triton as qk  # noqa: E402
 from djax.kernels.fp8_gemm import fp8_gemm, fp8_quant_gemm, fp8_quant_gemm_pair  # noqa: E402
@@ -156,9 +156,7 @@ def run_pairs(args, res) -> None:
                 row["rel_err"][name] = err = rel_err(got, refs[u])
                 print(m, pair, name, "rel_err", err, flush=True)
             timed = {name: (fn, sets) for name, (fn, _) in fns.items() if row["rel_err"][name] <= RTOL}
-            for r in range(args.rounds):
-                row["rounds"].append(times := one_round(timed, r))
-                print(m, pair, "round", r, times, flush=True)
+            row["rounds"] += timed_rounds(timed, args.rounds, (m, pair))
             res["rows"].append(row)
             save(res, args.out, "fp8_quant_gemm_pair_ab", plot)
 
@@ -229,10 +227,7 @@ def main():
                 for name, (fn, _) in fns.items()
                 if row["rel_err"][name] <= RTOL or name == "bf16 weight"
             }
-            for r in range(args.rounds):
-                row["rounds"].append(times := one_round(timed, r))
-                frac = {name: round(n * k / (us * 1e-6) / copy_bw, 3) for name, us in times.items()}
-                print(m, n, k, "round", r, times, "of copy", frac, flush=True)
+            row["rounds"] += timed_rounds(timed, args.rounds, (m, n, k), (n * k, copy_bw, "copy"))
             res["rows"].append(row)
             save(res, args.out, "fp8_quant_gemm_ab", plot)
 

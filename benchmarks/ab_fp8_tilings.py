@@ -21,7 +21,7 @@ sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 import jax  # noqa: E402
 import jax.numpy as jnp  # noqa: E402
 import numpy as np  # noqa: E402
-from ab_plot import one_round, save, side_by_side_args  # noqa: E402
+from ab_plot import save, side_by_side_args, timed_rounds  # noqa: E402
 
 from djax.kernels import fp8_gemm_tilelang as F  # noqa: E402
 
@@ -90,10 +90,7 @@ def main():
             row["rel_err"][name] = err = rel_err(np.asarray(out.astype(jnp.float32)), ref)
             print(m, n, k, name, "rel_err", err, "ok" if err <= RTOL else "WRONG", flush=True)
         timed = {name: (fn, sets) for name, fn in fns.items() if row["rel_err"][name] <= RTOL}
-        for r in range(args.rounds):
-            row["rounds"].append(times := one_round(timed, r))
-            peak = {name: round(2 * m * n * k / (us * 1e-6) / FP8_PEAK, 4) for name, us in times.items()}
-            print(m, n, k, "round", r, times, "of FP8 peak", peak, flush=True)
+        row["rounds"] += timed_rounds(timed, args.rounds, (m, n, k), (2 * m * n * k, FP8_PEAK, "FP8 peak"))
         res["rows"].append(row)
         save(res, args.out, "fp8_tilings_ab", plot)
 

@@ -26,7 +26,7 @@ sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 import jax  # noqa: E402
 import jax.numpy as jnp  # noqa: E402
 import numpy as np  # noqa: E402
-from ab_plot import one_round, save, side_by_side_args  # noqa: E402
+from ab_plot import save, side_by_side_args, timed_rounds  # noqa: E402
 
 D, F, E, K = 4096, 2048, 256, 6  # V4-Flash's routed experts
 LIMIT = 10.0  # the SwiGLU clamp, as bench_moe's
@@ -123,12 +123,10 @@ def main():
             print(n, name, "rel_err", err, flush=True)
             if err <= RTOL:
                 fns[name] = fn
-        for r in range(args.rounds):
-            row["rounds"].append(
-                times := one_round({name: (fn, sets) for name, fn in fns.items()}, r, row["kernels"])
-            )
-            frac = {name: round(row["bytes"] / (us * 1e-6) / copy_bw, 3) for name, us in times.items()}
-            print(n, "round", r, times, "of copy", frac, flush=True)
+        timed = {name: (fn, sets) for name, fn in fns.items()}
+        row["rounds"] += timed_rounds(
+            timed, args.rounds, (n,), (row["bytes"], copy_bw, "copy"), row["kernels"]
+        )
         res["rows"].append(row)
         save(res, args.out, "moe_fp8_ab", plot)
 

@@ -1,5 +1,5 @@
-"""What the side-by-side scripts (`ab_fp8_tilings.py`, `ab_attn_tilings.py`, `ab_fp8_grouped.py`) share: their
-options, a round of timings, and the picture: one panel per shape, per variant a bar at the median of its
+"""What the side-by-side scripts (`ab_fp8_tilings.py`, `ab_attn_tilings.py`, `ab_fp8_grouped.py`, ...) share:
+their options, the rounds of timings, and the picture: one panel per shape, per variant a bar at the median of its
 rounds and a dot per round, as a fraction of a ceiling (the axis starts near the slowest round: the
 differences are a few per cent), the median's microseconds beside it."""
 
@@ -43,6 +43,20 @@ def one_round(timed: dict, rnd: int, kernels: dict | None = None) -> dict:
         if kernels is not None:
             kernels.setdefault(name, []).append(top)
     return times
+
+
+def timed_rounds(timed: dict, rounds: int, label: tuple, share: tuple = (), kernels: dict | None = None):
+    """Yields the times of `rounds` rounds of `one_round` over `timed`, printing each after `label` and, given
+    `share` = (work per call, ceiling per second, its name), e.g. (bytes, copy bandwidth, "copy"), each
+    variant's fraction of that ceiling."""
+    for rnd in range(rounds):
+        times = one_round(timed, rnd, kernels)
+        shares = ()
+        if share:
+            work, ceiling, of = share
+            shares = (f"of {of}", {n: round(work / (us * 1e-6) / ceiling, 4) for n, us in times.items()})
+        print(*label, "round", rnd, times, *shares, flush=True)
+        yield times
 
 
 def save(result: dict, out: str, stem: str, plot) -> None:

@@ -4,7 +4,9 @@
 // as TileLang 0.1.15 lowers it): a producer thread fills a ring of DJAX_STAGES stages by TMA (A's 128 rows,
 // B's two 128-row slices, each with its own full and empty barrier), two consumer warpgroups each compute 64
 // rows of the tile as two 128-column wgmma chains per k block and promote them with DeepGEMM's scales, read a
-// k block ahead. What differs is around the loop:
+// k block ahead. The two slices' wgmma chains, promotions and stores are written out twice as TileLang lowers
+// them: the same steps as lambdas compiled to different SASS (ptxas scheduled them otherwise), and this form is
+// the one measured. What differs is around the loop:
 // - the ring's position runs on across tiles, so the next tile's first k blocks load during this tile's last
 //   promotions and epilogue;
 // - each tile's bf16 result goes out of a staging buffer of its own by TMA, and that store is waited for only

@@ -38,6 +38,25 @@ def test_one_round_starts_each_round_with_the_next_variant():
     assert kernels == {"a": ["earlier", {}], "b": [{}], "c": [{}]}
 
 
+def test_timed_rounds_yields_each_round_and_prints_the_shares(monkeypatch, capsys):
+    calls = []
+
+    def fake_round(timed, rnd, kernels=None):
+        calls.append((rnd, kernels))
+        return {name: 2.0 * (rnd + 1) for name in timed}  # microseconds
+
+    monkeypatch.setattr(ab_plot, "one_round", fake_round)
+    kernels = {}
+    rounds = list(ab_plot.timed_rounds({"a": None, "b": None}, 3, (64, "x"), (1e6, 1e12, "copy"), kernels))
+    assert rounds == [{"a": 2.0, "b": 2.0}, {"a": 4.0, "b": 4.0}, {"a": 6.0, "b": 6.0}]
+    assert calls == [(0, kernels), (1, kernels), (2, kernels)]
+    lines = capsys.readouterr().out.splitlines()
+    # 1 MB in 2 us is 0.5 TB/s: half of a 1 TB/s ceiling
+    assert lines[0] == "64 x round 0 {'a': 2.0, 'b': 2.0} of copy {'a': 0.5, 'b': 0.5}"
+    assert list(ab_plot.timed_rounds({"a": None}, 1, ("m",))) == [{"a": 2.0}]
+    assert capsys.readouterr().out == "m round 0 {'a': 2.0}\n"  # no share given: times only
+
+
 def test_side_by_side_args_replots_and_stops(tmp_path, monkeypatch):
     import argparse
 
