@@ -7,9 +7,10 @@ Layouts: V4-Flash's experts on one GPU at 4,096 tokens (top-6 of 256 with `bench
 group padded to 128 rows, the layout's static bound of rows, so tiles of padding follow the last group), gate
 or up (n 2048, k 4096) and down (n 4096, k 2048); and `bench_moe.GROUPED_EP_SHAPES`' expert-parallel rank
 layouts (DeepGEMM's shapes, and V4-Flash's 32 local experts of about 768 rows). Variants: the default
-(`default_grouped_tiling`), the default with `half_tiles` flipped and, where the layout has tiles of padding
-after its last group, the default over the rows up to the last group only (the same kernel with fewer CTAs:
-what those tiles of padding cost). Each is checked against the f32 reference on the rows of 16 groups (every
+(`default_grouped_tiling`), the default with `half_tiles` flipped, where the layout has tiles of padding
+after its last group the default over the rows up to the last group only (the same kernel with fewer CTAs:
+what those tiles of padding cost), and the persistent kernel with the default's tiles and both walks
+(`WsTiling.persistent`: one CTA per SM walking the live tiles only). Each is checked against the f32 reference on the rows of 16 groups (every
 variant's check includes tiles whose second half is padding), then timed in `--rounds` rounds (device time,
 `bench_kernels.bench`), each round starting with the next variant. FLOPs count the picks, not the padding.
 Writes fp8_grouped_ab.json under --out (rewritten after every layout) and its PNG.
@@ -62,6 +63,9 @@ def variants(mi, n, k):
     ]
     if live_rows < mi.size:
         out.append(("default, rows to the last group", default, live_rows))
+    if n % 256 == 0 and default.block_n == 256:  # the persistent kernel's tiles, both walks
+        for walk in ("static", "atomic"):
+            out.append((f"persistent {walk}", dataclasses.replace(default, persistent=walk), mi.size))
     return out
 
 

@@ -19,6 +19,16 @@
 // own full and empty barriers); an index past the last tile ends the walk. The consumers take the next
 // index in the tile's last k block, so that the next tile's first scales load under that block's wgmmas.
 //
+// The grouped contiguous GEMM (DJAX_GROUPS > 0: MoE prefill, B fp8[groups, n, k], BS f32[groups, n/128, k/128],
+// MI int32[m] the group of each row, -1 for padding) walks only the live tiles: the producer warpgroup first
+// lists, in shared memory, the tile rows whose first row has a group (in order), and the walk runs over those
+// rows times the tile columns, so tiles of padding cost no turn of the walk. Each list entry holds the tile
+// row, its group and whether row 64 is padding (so, in the contiguous layout, rows 64-127); with
+// DJAX_HALF_TILES the second consumer warpgroup then only keeps the stage barriers' order for that tile (its
+// rows come out 0), and the first has the tensor cores alone. A group number past the last group reads zero
+// weights (TMA fills out-of-bounds boxes with zeros) times the last group's scales, so its rows come out 0,
+// as in the reference.
+//
 // The counter (DJAX_ATOMIC 1) lives in the module (zero when it is loaded) and is zero again when a launch
 // ends: every CTA takes exactly one index past the last tile, then counts itself done, and the CTA that
 // counts last resets both. So launches of one loaded kernel must not overlap (XLA runs a device's kernels on
@@ -27,7 +37,8 @@
 //
 // Defined by the caller (djax/kernels/fp8_persistent.py): DJAX_M (rows of A), DJAX_N_TILES (n / 256),
 // DJAX_KB (k / 128), DJAX_STAGES, DJAX_PANEL (tile rows per rasterisation panel, 0: row-major order),
-// DJAX_A_ROWS (rows of A's TMA box: 128, or m when A is one partial tile), DJAX_ATOMIC.
+// DJAX_A_ROWS (rows of A's TMA box: 128, or m when A is one partial tile), DJAX_ATOMIC, DJAX_GROUPS (0: the
+// dense GEMM) and DJAX_HALF_TILES.
 #include <tl_templates/cuda/instruction/wgmma.h>
 #include <tl_templates/cuda/intrin.h>
 #include <tl_templates/cuda/barrier.h>
@@ -42,6 +53,11 @@ constexpr int TILES = M_TILES * N_TILES, KB = DJAX_KB, S = DJAX_STAGES, PANEL = 
 constexpr int BOX = 16384;                   // bytes (fp8 elements) of one 128 x 128 stage buffer
 constexpr int A_BYTES = DJAX_A_ROWS * 128;   // bytes A's TMA box brings
 constexpr bool WHOLE_TILES = DJAX_M % 128 == 0;  // no row past m to guard
+constexpr int GROUPS = DJAX_GROUPS;          // weight matrices of the grouped GEMM; 0: dense
+constexpr bool HALF_TILES = DJAX_HALF_TILES;  // (grouped) the second warpgroup idles where its rows are padding
+// a live tile row's entry in the grouped walk's list: tile row, whether rows 64-127 are padding, group
+constexpr int ROW_SHIFT = 17, IDLE_BIT = 1 << 16, GROUP_MASK = 0xffff;
+static_assert(GROUPS == 0 || M_TILES < (1 << (31 - ROW_SHIFT)), "a tile row must fit its entry's 14 bits");
 // barriers: full and empty per stage for A, B's first slice, B's second; then the tile-index ring's
 enum { FULL_A = 0, FULL_B = S, FULL_B1 = 2 * S, EMPTY_A = 3 * S, EMPTY_B = 4 * S, EMPTY_B1 = 5 * S };
 enum { TILE_FULL = 6 * S, TILE_EMPTY = 6 * S + 2, BARRIERS = 6 * S + 4 };
@@ -54,23 +70,71 @@ __device__ int ctas_done = 0;
 
 // (tile column, tile row) of the t-th tile in TileLang's rasterization2DRow<PANEL> order (that of the
 // one-tile-a-CTA default's block indices): panels of PANEL tile rows, column by column, snaking.
-__device__ __forceinline__ void tile_coords(int t, int& bx, int& by) {
+// `tiles` is TILES for the dense GEMM and the live tile rows times N_TILES for the grouped one, whose `by` is
+// then the position in the list of live tile rows.
+__device__ __forceinline__ void tile_coords(int t, int tiles, int& bx, int& by) {
   if constexpr (PANEL == 0) {
     bx = t % N_TILES;
     by = t / N_TILES;
   } else {
     constexpr int panel_size = (PANEL > 0 ? PANEL : 1) * N_TILES;  // (checked even where PANEL is 0)
-    constexpr int panels = (TILES + panel_size - 1) / panel_size;
+    const int panels = (tiles + panel_size - 1) / panel_size;
     const int panel = t / panel_size, offset = t % panel_size;
-    const int stride = panel + 1 < panels ? PANEL : (TILES - panel * panel_size) / N_TILES;
+    const int stride = panel + 1 < panels ? PANEL : (tiles - panel * panel_size) / N_TILES;
     bx = (panel & 1) ? N_TILES - 1 - offset / stride : offset / stride;
     by = offset % stride + panel * PANEL;
   }
 }
 
+#if DJAX_GROUPS
+// Lists the tile rows whose first row has a group, in order, as entries of live_rows; returns how many.
+// Called by the producer warpgroup's 128 threads, each reading the first row's group (and row 64's) of every
+// 128th tile row, a chunk of tile rows at a time with their loads issued together.
+__device__ __noinline__ int list_live_rows(const int* __restrict__ MI, int* live_rows, int* warp_live) {
+  constexpr int CHUNK = 8;  // tile rows a thread reads at once
+  const int tid = threadIdx.x, lane = tid & 31, warp = tid >> 5;
+  int count = 0;
+  for (int r0 = 0; r0 < M_TILES; r0 += 128 * CHUNK) {
+    int first[CHUNK], second[CHUNK];
+    #pragma unroll
+    for (int i = 0; i < CHUNK; ++i) {
+      const int r = r0 + i * 128 + tid;
+      first[i] = r < M_TILES ? MI[r * 128] : -1;
+      second[i] = r < M_TILES && HALF_TILES ? MI[r * 128 + 64] : 0;
+    }
+    #pragma unroll
+    for (int i = 0; i < CHUNK; ++i) {
+      const int r = r0 + i * 128 + tid;
+      const bool live = first[i] >= 0;
+      const unsigned ballot = __ballot_sync(0xffffffffu, live);
+      if (lane == 0) warp_live[warp] = __popc(ballot);
+      asm volatile("bar.sync 1, 128;" ::: "memory");
+      int at = count + __popc(ballot & ((1u << lane) - 1u));
+      #pragma unroll
+      for (int w = 0; w < 4; ++w) {
+        at += w < warp ? warp_live[w] : 0;
+        count += warp_live[w];
+      }
+      if (live) live_rows[at] = (r << ROW_SHIFT) | (second[i] < 0 ? IDLE_BIT : 0) | min(first[i], GROUP_MASK);
+      asm volatile("bar.sync 1, 128;" ::: "memory");  // warp_live is written again, live_rows read after
+    }
+  }
+  return count;
+}
+#endif
+
 }  // namespace
 
-extern "C" __global__ void __launch_bounds__(384, 1) fp8_gemm_kernel(const float* __restrict__ AS, __grid_constant__ const CUtensorMap A_desc, const float* __restrict__ BS, __grid_constant__ const CUtensorMap B_desc, __grid_constant__ const CUtensorMap C_desc) {
+#if DJAX_GROUPS
+#define DJAX_KERNEL fp8_gemm_grouped_kernel
+#define DJAX_MI_PARAM , const int* __restrict__ MI
+#else
+#define DJAX_KERNEL fp8_gemm_kernel
+#define DJAX_MI_PARAM
+#endif
+
+// (the parameters are those of TileLang's lowering of the same tiles one a CTA, whose launch plan is reused)
+extern "C" __global__ void __launch_bounds__(384, 1) DJAX_KERNEL(const float* __restrict__ AS, __grid_constant__ const CUtensorMap A_desc, const float* __restrict__ BS, __grid_constant__ const CUtensorMap B_desc, __grid_constant__ const CUtensorMap C_desc DJAX_MI_PARAM) {
   extern __shared__ __align__(1024) uchar buf_dyn_shmem[];
   fp8_e4_t* a_s = (fp8_e4_t*)buf_dyn_shmem;
   fp8_e4_t* b_s = a_s + S * BOX;
@@ -79,6 +143,9 @@ extern "C" __global__ void __launch_bounds__(384, 1) fp8_gemm_kernel(const float
   bfloat16_t* c1_s = c_s + 16384;                   // its second 128
   __shared__ __align__(16) uint64_t mbarrier_mem[BARRIERS];
   __shared__ volatile int tile_slot[2];
+  __shared__ volatile int tile_entry[2];  // (grouped) the handed-over tile's entry in the list of live tile rows
+  __shared__ int live_rows[GROUPS ? M_TILES : 1];
+  __shared__ int warp_live[4];
   auto mbarrier = reinterpret_cast<Barrier*>(mbarrier_mem);
   if (tl::tl_shuffle_elect<0>()) {
     tl::prefetch_tma_descriptor(A_desc);
@@ -96,6 +163,11 @@ extern "C" __global__ void __launch_bounds__(384, 1) fp8_gemm_kernel(const float
   tl::fence_barrier_init();
   __syncthreads();
   if (((int)threadIdx.x) < 128) {
+#if DJAX_GROUPS
+    const int live_tiles = list_live_rows(MI, live_rows, warp_live) * N_TILES;
+#else
+    constexpr int live_tiles = TILES;
+#endif
     tl::warpgroup_reg_dealloc<40>();
     if (((int)threadIdx.x) == 0) {
       int g = 0;  // k blocks loaded so far: the ring's position, across tiles
@@ -107,12 +179,25 @@ extern "C" __global__ void __launch_bounds__(384, 1) fp8_gemm_kernel(const float
 #else
         const int t = ((int)blockIdx.x) + it * ((int)gridDim.x);
 #endif
-        tile_slot[slot] = t;
-        asm volatile("" ::: "memory");  // the store before the arrive (TileLang's barrier asm has no clobber)
+        int bx, by, group = 0;
+        if constexpr (GROUPS > 0) {
+          int entry = 0;
+          bx = -1;  // the end of the walk
+          if (t < live_tiles) {
+            tile_coords(t, live_tiles, bx, by);
+            entry = live_rows[by];
+          }
+          tile_slot[slot] = bx;
+          tile_entry[slot] = entry;
+          by = entry >> ROW_SHIFT;
+          group = entry & GROUP_MASK;
+        } else {
+          tile_slot[slot] = t;
+        }
+        asm volatile("" ::: "memory");  // the stores before the arrive (TileLang's barrier asm has no clobber)
         mbarrier[TILE_FULL + slot].arrive();
-        if (t >= TILES) break;
-        int bx, by;
-        tile_coords(t, bx, by);
+        if (t >= live_tiles) break;
+        if constexpr (GROUPS == 0) tile_coords(t, TILES, bx, by);
         for (int j = 0; j < KB; ++j, ++g) {
           const int s = g % S, phase = ((g / S) & 1) ^ 1;
           mbarrier[EMPTY_A + s].wait(phase);
@@ -120,10 +205,18 @@ extern "C" __global__ void __launch_bounds__(384, 1) fp8_gemm_kernel(const float
           tl::tma_load(A_desc, mbarrier[FULL_A + s], a_s + s * BOX, j * 128, by * 128);
           mbarrier[EMPTY_B + s].wait(phase);
           mbarrier[FULL_B + s].arrive_and_expect_tx(BOX);
-          tl::tma_load(B_desc, mbarrier[FULL_B + s], b_s + s * BOX, j * 128, bx * 256);
+          if constexpr (GROUPS > 0) {
+            tl::tma_load(B_desc, mbarrier[FULL_B + s], b_s + s * BOX, j * 128, bx * 256, group);
+          } else {
+            tl::tma_load(B_desc, mbarrier[FULL_B + s], b_s + s * BOX, j * 128, bx * 256);
+          }
           mbarrier[EMPTY_B1 + s].wait(phase);
           mbarrier[FULL_B1 + s].arrive_and_expect_tx(BOX);
-          tl::tma_load(B_desc, mbarrier[FULL_B1 + s], b1_s + s * BOX, j * 128, bx * 256 + 128);
+          if constexpr (GROUPS > 0) {
+            tl::tma_load(B_desc, mbarrier[FULL_B1 + s], b1_s + s * BOX, j * 128, bx * 256 + 128, group);
+          } else {
+            tl::tma_load(B_desc, mbarrier[FULL_B1 + s], b1_s + s * BOX, j * 128, bx * 256 + 128);
+          }
         }
       }
 #if DJAX_ATOMIC
@@ -157,26 +250,61 @@ extern "C" __global__ void __launch_bounds__(384, 1) fp8_gemm_kernel(const float
       ahead_b[0] = ahead_b[1] = BS[bx * 2 * KB + jn];  // the tile's two 128-column weight-scale blocks
       ahead_b1[0] = ahead_b1[1] = BS[(bx * 2 + 1) * KB + jn];
     };
-    // the tile index the producer handed over in ring slot it & 1
-    auto take_tile = [&](int it) {
+    // what the producer handed over in ring slot it & 1: the tile index (dense) or the tile column, -1 at the
+    // end (grouped, with the tile row's entry in the list of live rows in e)
+    auto take_tile = [&](int it, int& e) {
       mbarrier[TILE_FULL + (it & 1)].wait((it >> 1) & 1);
-      asm volatile("" ::: "memory");  // the load after the wait
+      asm volatile("" ::: "memory");  // the loads after the wait
       const int t = tile_slot[it & 1];
+      if constexpr (GROUPS > 0) e = tile_entry[it & 1];
       mbarrier[TILE_EMPTY + (it & 1)].arrive();
       return t;
     };
-    int t = take_tile(0), bx, by;
-    if (t < TILES) {
-      tile_coords(t, bx, by);
-      load_ahead(bx, by, 0);
+    auto walking = [](int t) { return GROUPS > 0 ? t >= 0 : t < TILES; };
+    // the tile's column and row, and the column of its weight scales (grouped: among all groups' columns)
+    auto coords = [&](int t, int e, int& bx, int& by, int& sbx) {
+      if constexpr (GROUPS > 0) {
+        bx = t;
+        by = e >> ROW_SHIFT;
+        sbx = min(e & GROUP_MASK, GROUPS - 1) * N_TILES + t;  // (a group past the last loads zero weights)
+      } else {
+        tile_coords(t, TILES, bx, by);
+      }
+    };
+    // (dense: the tile's own column; one variable fewer kept the dense kernel's compiled code as it was)
+#define DJAX_SCALE_COL(bx, sbx) (GROUPS > 0 ? (sbx) : (bx))
+    int e = 0, t = take_tile(0, e), bx, by, sbx = 0;
+    if (walking(t)) {
+      coords(t, e, bx, by, sbx);
+      load_ahead(DJAX_SCALE_COL(bx, sbx), by, 0);
     }
-    for (int it = 0; t < TILES; ++it) {
-      int t_next = t, bx_next = bx, by_next = by;
+    for (int it = 0; walking(t); ++it) {
+      int e_next = e, t_next = t, bx_next = bx, by_next = by, sbx_next = sbx;
       #pragma unroll
       for (int i = 0; i < 64; ++i) {
         acc[i] = 0.f;
         acc1[i] = 0.f;
       }
+      // (grouped, half tiles) where rows 64-127 are padding, the second warpgroup keeps only the stage
+      // barriers' order (a stage is free once both warpgroups arrived, so it must still wait for each) and
+      // stages zeros for those rows
+      if (HALF_TILES && half == 1 && (e & IDLE_BIT)) {
+        #pragma unroll 1
+        for (int j = 0; j < KB; ++j, ++g) {
+          const int s = g % S, phase = (g / S) & 1;
+          mbarrier[FULL_A + s].wait(phase);
+          mbarrier[FULL_B + s].wait(phase);
+          mbarrier[EMPTY_B + s].arrive();
+          mbarrier[FULL_B1 + s].wait(phase);
+          mbarrier[EMPTY_A + s].arrive();
+          mbarrier[EMPTY_B1 + s].arrive();
+        }
+        t_next = take_tile(it + 1, e_next);
+        if (walking(t_next)) {
+          coords(t_next, e_next, bx_next, by_next, sbx_next);
+          load_ahead(DJAX_SCALE_COL(bx_next, sbx_next), by_next, 0);
+        }
+      } else
       for (int j = 0; j < KB; ++j, ++g) {
         const int s = g % S, phase = (g / S) & 1;
         // this block's scales came in during the last one; the next block's load under this one's wgmmas,
@@ -186,12 +314,12 @@ extern "C" __global__ void __launch_bounds__(384, 1) fp8_gemm_kernel(const float
         scale1[0] = ahead_a[0] * ahead_b1[0];
         scale1[1] = ahead_a[1] * ahead_b1[1];
         if (j + 1 < KB) {
-          load_ahead(bx, by, j + 1);
+          load_ahead(DJAX_SCALE_COL(bx, sbx), by, j + 1);
         } else {
-          t_next = take_tile(it + 1);
-          if (t_next < TILES) {
-            tile_coords(t_next, bx_next, by_next);
-            load_ahead(bx_next, by_next, 0);
+          t_next = take_tile(it + 1, e_next);
+          if (walking(t_next)) {
+            coords(t_next, e_next, bx_next, by_next, sbx_next);
+            load_ahead(DJAX_SCALE_COL(bx_next, sbx_next), by_next, 0);
           }
         }
         mbarrier[FULL_A + s].wait(phase);
@@ -277,9 +405,11 @@ extern "C" __global__ void __launch_bounds__(384, 1) fp8_gemm_kernel(const float
         }
         tl::tma_store_arrive();
       }
+      e = e_next;
       t = t_next;
       bx = bx_next;
       by = by_next;
+      sbx = sbx_next;
     }
     if (((int)threadIdx.x) == 128) {
       tl::tma_store_wait<0, true>();  // no store may still read shared memory when the CTA exits

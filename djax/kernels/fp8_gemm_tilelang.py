@@ -123,6 +123,8 @@ class WsTiling:
     one's k loop; it takes the next tile in a fixed order or from a counter in global memory
     (`fp8_persistent`, a CUDA kernel of its own with the default's k loop). With "atomic", launches of one
     compiled kernel must not overlap (XLA's one stream and default command-buffer mode keep them in order).
+    The grouped program takes it too (with or without `half_tiles`): the walk then covers only the tiles whose
+    first row has a group.
 
     With m under block_m (decode), A's TMA box (and with smem_scales its scales') spans A's m rows, not
     block_m: a box reaching past the end of A is filled slowly (at m 8, n 4096, k 7168 the decode GEMM took
@@ -385,12 +387,12 @@ def cuda_program(m: int, n: int, k: int, tiling: Tiling):
     return fp8_gemm
 
 
-def check_ws_tiling(m: int, n: int, k: int, tiling: WsTiling) -> None:
+def check_ws_tiling(m: int, n: int, k: int, tiling: WsTiling, groups: int = 0) -> None:
     check_shapes(m, n, k)
     if tiling.persistent:
         from djax.kernels import fp8_persistent
 
-        fp8_persistent.check(m, n, k, tiling)
+        fp8_persistent.check(m, n, k, tiling, groups)
     if tiling.cache_hints and tiling.k_groups < 2:
         raise ValueError(f"cache_hints is an option of the k-group program (k_groups > 1): {tiling}")
     if tiling.k_groups > 1:
@@ -710,10 +712,10 @@ def lower_ws(m: int, n: int, k: int, tiling: WsTiling | None = None, groups: int
     warpgroup included), shared_bytes, name, and params (per kernel parameter: an FFI buffer index for a pointer,
     or a `djax.ffi.tma.TensorMap`). groups > 0: the grouped contiguous program (`ws_program`). No GPU needed."""
     tiling = tiling or (default_grouped_tiling(n, k) if groups else default_ws_tiling(m, n, k))
-    if tiling.persistent and not groups:  # (the grouped program refuses it)
+    if tiling.persistent:  # (a CUDA kernel of its own, on the plan of TileLang's lowering of the same tiles)
         from djax.kernels import fp8_persistent
 
-        return fp8_persistent.lower(m, n, k, tiling)
+        return fp8_persistent.lower(m, n, k, tiling, groups)
     art = lower(ws_program(m, n, k, tiling, groups), {"kind": "cuda", "arch": ARCH}, HOPPER)
     source, launch = tma_kernel(art, _GROUPED_PARAMS if groups else _PARAMS)
     if tiling.sums_in_cluster:

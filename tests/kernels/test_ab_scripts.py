@@ -91,14 +91,20 @@ def test_grouped_check_rows_cover_tiles_with_an_idle_half(grouped):
     assert idle.sum() >= grouped.CHECK_GROUPS // 2
 
 
-def test_grouped_variants_flip_half_tiles_and_cut_trailing_padding(grouped):
+def test_grouped_variants_flip_half_tiles_cut_trailing_padding_and_walk_persistently(grouped):
     # a group of 200 rows padded to 256, then 3 tiles of padding
     mi = np.r_[np.full(200, 0), np.full(56, -1), np.full(384, -1)]
     names = {name: (t, rows) for name, t, rows in grouped.variants(mi, 2048, 4096)}
     assert names["default"][0].half_tiles and not names["whole tiles"][0].half_tiles
     assert names["default, rows to the last group"][1] == 256 and names["default"][1] == mi.size
+    for walk in ("static", "atomic"):  # the default's tiles and half tiles, over every row of the layout
+        t, rows = names[f"persistent {walk}"]
+        assert t.persistent == walk and t.half_tiles and rows == mi.size
     names = {name for name, _, _ in grouped.variants(mi[:256], 4096, 7168)}
-    assert names == {"default", "half_tiles"}  # no trailing padding; half tiles not the default at k 7168
+    # no trailing padding; half tiles not the default at k 7168
+    assert names == {"default", "half_tiles", "persistent static", "persistent atomic"}
+    names = {name for name, _, _ in grouped.variants(mi[:256], 384, 4096)}
+    assert names == {"default", "whole tiles"}  # 128x128 tiles: no persistent kernel
 
 
 def test_fp4_tilings_parse_and_plot(tmp_path, monkeypatch):

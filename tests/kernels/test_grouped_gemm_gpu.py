@@ -313,21 +313,31 @@ def _contiguous_case(seed, e, n, d, counts):
 
 
 @needs_tilelang_gpu
-@pytest.mark.parametrize("half_tiles", [False, True])
-@pytest.mark.parametrize("n", [512, 384])  # 128x256 tiles; 128x128 (256 does not divide 384)
-def test_tilelang_grouped_contiguous_matches_ref(n, half_tiles):
+@pytest.mark.parametrize(
+    "n, half_tiles, persistent",
+    [
+        (512, False, ""),  # 128x256 tiles
+        (512, True, ""),
+        (384, False, ""),  # 128x128 (256 does not divide 384)
+        (384, True, ""),
+        (512, True, "static"),  # one CTA per SM walking the live tiles
+        (512, False, "atomic"),
+    ],
+)
+def test_tilelang_grouped_contiguous_matches_ref(n, half_tiles, persistent):
     """The TileLang grouped kernel against the f32 reference on the live rows: groups of 1, 128, 129, 300 and
     0 rows (a group with none takes no tile), 256 rows of padding tiles at the end (skipped), a tile of a
     group past the last weight (its rows are 0 in the reference and in the kernel: TMA reads zeros there), called
     through the public op in a jit and inside a scan. With `half_tiles` three tiles (the groups of 1, 129 and
-    300 rows) have padding in rows 64-127, which their second warpgroup skips: those rows come out 0."""
+    300 rows) have padding in rows 64-127, which their second warpgroup skips: those rows come out 0. The
+    persistent kernel (`persistent`) takes the same contract."""
     from djax.kernels.fp8_gemm_tilelang import default_grouped_tiling
 
     e, d = 6, 1024
     a, a_s, b, b_s, groups = _contiguous_case(n, e, n, d, [1, 128, 129, 0, 300, 77])
     groups = groups.at[-384:-256].set(e)  # one tile of a group past the last weight, before the padding
     live = np.asarray(groups) >= 0
-    tiling = dataclasses.replace(default_grouped_tiling(n, d), half_tiles=half_tiles)
+    tiling = dataclasses.replace(default_grouped_tiling(n, d), half_tiles=half_tiles, persistent=persistent)
     f = lambda *z: grouped_contiguous(*z, impl="tilelang", tiling=tiling)  # noqa: E731
     out = jax.jit(f)(a, a_s, b, b_s, groups)
     ref = grouped_contiguous(a, a_s, b, b_s, groups, jnp.float32, impl="ref")
@@ -345,3 +355,85 @@ def test_tilelang_grouped_contiguous_matches_ref(n, half_tiles):
     _, ys = jax.jit(lambda: jax.lax.scan(body, 0, None, length=2))()
     for y in np.asarray(ys):
         assert_close(y[live], np.asarray(ref)[live], BF16_OUT_RTOL)
+
+
+def _layout(counts, rows, past_last=0):
+    """m_indices for groups of `counts` rows (each padded to 128) then padding up to `rows`; with `past_last`
+    that many tiles of a group past the last weight (counts' length) ahead of the padding."""
+    g = np.full(rows, -1, np.int32)
+    at = 0
+    for gid, c in enumerate(counts):
+        g[at : at + c] = gid
+        at += -(-c // 128) * 128
+    g[at : at + 128 * past_last] = len(counts)
+    assert at + 128 * past_last <= rows
+    return g
+
+
+def _persistent_calls(tiling, layouts, n, d, groups, seed):
+    """The grouped kernel with `tiling` over each layout (fresh inputs each), all in one jit and as the steps
+    of a scan, each output against the f32 reference on its live rows; with half tiles, the idle halves 0."""
+    f32 = jnp.float32
+    calls = []
+    for i, g in enumerate(layouts):
+        b, b_s = quantize_weight(jax.random.normal(jax.random.key(seed + 2 * i), (groups, n, d), f32))
+        a, a_s = quantize_act(jax.random.normal(jax.random.key(seed + 2 * i + 1), (g.size, d), f32))
+        calls.append((a, a_s, b, b_s, jnp.asarray(g)))
+    f = lambda *z: grouped_contiguous(*z, impl="tilelang", tiling=tiling)  # noqa: E731
+    outs = jax.jit(lambda cs: [f(*c) for c in cs])(calls)
+    stacked = [jnp.stack(parts) for parts in zip(*calls)]
+    _, scanned = jax.jit(lambda xs: jax.lax.scan(lambda c, x: (c, f(*x)), 0, xs))(stacked)
+    for i, (c, g) in enumerate(zip(calls, layouts)):
+        live = g >= 0
+        ref = np.asarray(grouped_contiguous(*c, f32, impl="ref"))
+        tile_rows = g.reshape(-1, 128)
+        idle = (tile_rows[:, 0] >= 0) & (tile_rows[:, 64] < 0)
+        for out in (outs[i], scanned[i]):
+            got = np.asarray(out.astype(f32))
+            if live.any():  # (a layout with no live row leaves every row unwritten)
+                assert_close(got[live], ref[live], BF16_OUT_RTOL)
+            if tiling.half_tiles:
+                assert not got.reshape(-1, 128, n)[idle, 64:].any()
+
+
+@needs_tilelang_gpu
+@pytest.mark.parametrize("walk", ["static", "atomic"])
+@pytest.mark.parametrize("half_tiles", [True, False])
+def test_tilelang_grouped_persistent_many_tiles_a_cta(walk, half_tiles):
+    """The grouped persistent kernel with about three live tiles a CTA (24 groups of 0 to 700 rows, random,
+    over 8 tile columns, then a tile of a group past the last weight and padding), three layouts with other
+    group sizes over the same rows, in one jit and as three steps of a scan, each against the f32 reference:
+    every launch lists its own live tile rows, and the atomic walk's counter is back at zero after each."""
+    from djax.kernels.fp8_gemm_tilelang import default_grouped_tiling
+
+    e, n, d, rows = 24, 2048, 512, 10240
+    rng = np.random.default_rng(5)
+    layouts = []
+    for _ in range(3):
+        counts = rng.integers(0, 700, e)
+        counts[:3] = (1, 64, 65)  # the smallest groups: one row, a whole half, a row into the second half
+        layouts.append(_layout(counts, rows, past_last=1))
+        tile_rows = layouts[-1].reshape(-1, 128)
+        assert (tile_rows[:, 0] >= 0).sum() * (n // 256) > 2 * 132  # more live tiles than two a CTA
+        assert ((tile_rows[:, 0] >= 0) & (tile_rows[:, 64] < 0)).any()
+    tiling = dataclasses.replace(default_grouped_tiling(n, d), half_tiles=half_tiles, persistent=walk)
+    _persistent_calls(tiling, layouts, n, d, e, seed=70)
+
+
+@needs_tilelang_gpu
+@pytest.mark.parametrize("walk", ["static", "atomic"])
+def test_tilelang_grouped_persistent_long_lists_and_none_live(walk):
+    """The list of live tile rows built over many chunks: 1,100 tile rows, every other one padding (a layout
+    the contract allows), at 2 k blocks a tile (fewer than the ring's stages) in row-major tile order; then a
+    layout with no live tile at all (nothing to compute; rows unwritten), followed in the same jit by a live
+    one, which the atomic walk's counter must have been reset for."""
+    from djax.kernels.fp8_gemm_tilelang import WsTiling
+
+    n, d, groups, tiles = 256, 256, 3, 1100
+    every_other = np.full((tiles, 128), -1, np.int32)
+    every_other[::2, :100] = (np.arange(tiles)[::2] % groups)[:, None]
+    every_other[1::4, 0] = 1  # some tiles of padding but for their first row: live, one row each
+    tiling = WsTiling(128, 256, 3, 0, scales_ahead=True, half_tiles=True, persistent=walk)
+    _persistent_calls(tiling, [every_other.reshape(-1)], n, d, groups, seed=90)
+    none = np.full(tiles * 128, -1, np.int32)
+    _persistent_calls(tiling, [none, every_other.reshape(-1), none], n, d, groups, seed=95)

@@ -21,7 +21,7 @@ from checks import ascend_backend_missing, assert_close, needs_tilelang
 
 from djax.ffi import build
 from djax.kernels.fp8_gemm_ref import fp8_gemm_ref, quantize_act, quantize_weight
-from djax.kernels.fp8_gemm_tilelang import WS_VARIANTS
+from djax.kernels.fp8_gemm_tilelang import WS_VARIANTS, WsTiling
 
 needs_nvcc = pytest.mark.skipif(
     build.cuda_include() is None or shutil.which("nvcc") is None, reason="needs nvcc and cuda.h"
@@ -317,8 +317,84 @@ def test_persistent_refusals():
             check_ws_tiling(4096, 4096, 4096, bad)
     with pytest.raises(ValueError, match="multiple of 256"):
         check_ws_tiling(4096, 384, 4096, good)
-    with pytest.raises(ValueError, match="one tile a CTA"):  # the grouped program has no persistent form
+    with pytest.raises(ValueError, match="one tile a CTA"):  # TileLang's grouped program is one tile a CTA
         ws_program(256, 512, 512, good, groups=2)
+    with pytest.raises(ValueError, match="half tiles"):  # the dense GEMM has no padding rows
+        check_ws_tiling(4096, 4096, 4096, dataclasses.replace(good, half_tiles=True))
+    grouped = dataclasses.replace(good, half_tiles=True)
+    check_ws_tiling(4096, 4096, 4096, grouped, groups=256)
+    for m, groups, match in [
+        (4000, 4, "multiple of 128"),  # the grouped layout's rows are whole tiles
+        (4096, 0x10000, "at most 65535 groups"),  # a group shares an int with its tile row in the list
+        (128 * 5000, 4, "does not fit in shared memory"),  # the list of 5,000 tile rows beside the ring
+    ]:
+        with pytest.raises(ValueError, match=match):
+            check_ws_tiling(m, 4096, 4096, grouped, groups=groups)
+    one_stage = dataclasses.replace(grouped, stages=1)
+    check_ws_tiling(128 * 16383, 4096, 4096, one_stage, groups=4)
+    with pytest.raises(ValueError, match="fewer than 16384 tile rows"):  # 14 bits of tile row in the list
+        check_ws_tiling(128 * 16384, 4096, 4096, one_stage, groups=4)
+    with pytest.raises(ValueError, match="1 to 3 stages"):
+        check_ws_tiling(4096, 4096, 4096, dataclasses.replace(grouped, stages=4), groups=4)
+
+
+GROUPED_PERSISTENT = [
+    WsTiling(128, 256, 3, 8, scales_ahead=True, half_tiles=half, persistent=walk)
+    for walk in ("static", "atomic")
+    for half in (True, False)
+]
+
+
+@needs_tilelang
+@needs_cuda_h
+@pytest.mark.parametrize("tiling", GROUPED_PERSISTENT, ids=lambda t: t.name)
+@pytest.mark.parametrize("m,n,k,groups", [(57088, 2048, 4096, 256), (1024, 512, 1024, 4)])
+def test_grouped_persistent_lowers_with_the_grouped_plan(tiling, m, n, k, groups):
+    """No GPU needed: the grouped persistent kernel takes the launch plan of TileLang's grouped program for
+    the same tiles (B's tensor map over every group, MI last), one CTA per SM or per tile, the ring and staging
+    as the dense kernel, its constants (groups, half tiles), and its parameters are that program's; the C++
+    checker accepts the plan."""
+    from djax.ffi import tma
+    from djax.kernels.dispatch import sm_count
+    from djax.kernels.fp8_gemm_tilelang import lower_ws
+
+    src, launch = lower_ws(m, n, k, tiling, groups)
+    plain_src, plain = lower_ws(m, n, k, dataclasses.replace(tiling, persistent=""), groups)
+    assert (
+        launch["name"] == plain["name"] == "fp8_gemm_grouped_kernel" and launch["params"] == plain["params"]
+    )
+    assert launch["params"][3].dims == (k, n, groups) and launch["params"][3].box == (128, 128, 1)
+    assert launch["grid"] == (min(m // 128 * n // 256, sm_count()), 1, 1)
+    assert launch["shared_bytes"] == 3 * 3 * 128 * 128 + 2 * 128 * 256
+    for define in (f"DJAX_M {m}", f"DJAX_GROUPS {groups}", f"DJAX_HALF_TILES {int(tiling.half_tiles)}"):
+        assert f"#define {define}\n" in src
+    assert "DJAX_GROUPS 0" in lower_ws(m, n, k, dataclasses.replace(tiling, half_tiles=False))[0]
+    kern = tma.TmaKernel("x", launch["name"], b"", launch["grid"], launch["threads"], 0, launch["params"])
+    sizes = [
+        m * k,
+        m * (k // 128) * 4,
+        groups * n * k,
+        groups * (n // 128) * (k // 128) * 4,
+        4 * m,
+        2 * m * n,
+    ]
+    assert tma.check(kern, sizes) == 6
+
+
+@needs_tilelang
+@needs_nvcc
+@pytest.mark.slow
+def test_grouped_persistent_cubins_for_sm90_without_a_gpu(tmp_path, monkeypatch):
+    """Both walks, with and without half tiles, compile to sm_90a cubins of the grouped kernel, with the same
+    dynamic shared memory as the dense one (the grouped walk's list is static)."""
+    monkeypatch.setenv("DJAX_FFI_CACHE", str(tmp_path / "ffi"))
+    from djax.kernels.fp8_gemm_tilelang import ws_kernel
+
+    for tiling in GROUPED_PERSISTENT:
+        kern = ws_kernel.__wrapped__(1408, 512, 1024, tiling, 6)
+        assert kern.binary[:4] == b"\x7fELF" and b"fp8_gemm_grouped_kernel" in kern.binary
+        assert kern.grid == (22, 1, 1) and kern.shared_bytes == 212992
+        assert (b"next_tile" in kern.binary) == (tiling.persistent == "atomic")
 
 
 K_GROUPS = [t for t in WS_VARIANTS["decode"] if t.k_groups > 1]
