@@ -10,9 +10,10 @@ layouts (DeepGEMM's shapes, and V4-Flash's 32 local experts of about 768 rows). 
 (`default_grouped_tiling`), the default with `half_tiles` flipped, where the layout has tiles of padding
 after its last group the default over the rows up to the last group only (the same kernel with fewer CTAs:
 what those tiles of padding cost), and the persistent kernel with the default's tiles and both walks
-(`WsTiling.persistent`: one CTA per SM walking the live tiles only). Each is checked against the f32 reference on the rows of 16 groups (every
-variant's check includes tiles whose second half is padding), then timed in `--rounds` rounds (device time,
-`bench_kernels.bench`), each round starting with the next variant. FLOPs count the picks, not the padding.
+(`WsTiling.persistent`: one CTA per SM walking the live tiles only). Each is checked against the f32
+reference on the rows of 16 groups (every variant's check includes tiles whose second half is padding), then
+timed in `--rounds` rounds (device time, `bench_kernels.bench`), each round starting with the next variant.
+FLOPs count the picks, not the padding.
 Writes fp8_grouped_ab.json under --out (rewritten after every layout) and its PNG.
 """
 
@@ -63,7 +64,7 @@ def variants(mi, n, k):
     ]
     if live_rows < mi.size:
         out.append(("default, rows to the last group", default, live_rows))
-    if n % 256 == 0 and default.block_n == 256:  # the persistent kernel's tiles, both walks
+    if default.block_n == 256:  # the persistent kernel's tiles, both walks
         for walk in ("static", "atomic"):
             out.append((f"persistent {walk}", dataclasses.replace(default, persistent=walk), mi.size))
     return out

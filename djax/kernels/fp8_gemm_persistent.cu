@@ -170,6 +170,14 @@ extern "C" __global__ void __launch_bounds__(384, 1) DJAX_KERNEL(const float* __
 #endif
     tl::warpgroup_reg_dealloc<40>();
     if (((int)threadIdx.x) == 0) {
+      // a 128-row slice of B's k block: of the tile's group's weights for the grouped GEMM (a 3-D map)
+      auto load_b = [&](Barrier& bar, fp8_e4_t* dst, int k0, int n0, int group) {
+        if constexpr (GROUPS > 0) {
+          tl::tma_load(B_desc, bar, dst, k0, n0, group);
+        } else {
+          tl::tma_load(B_desc, bar, dst, k0, n0);
+        }
+      };
       int g = 0;  // k blocks loaded so far: the ring's position, across tiles
       for (int it = 0;; ++it) {
         const int slot = it & 1;
@@ -205,18 +213,10 @@ extern "C" __global__ void __launch_bounds__(384, 1) DJAX_KERNEL(const float* __
           tl::tma_load(A_desc, mbarrier[FULL_A + s], a_s + s * BOX, j * 128, by * 128);
           mbarrier[EMPTY_B + s].wait(phase);
           mbarrier[FULL_B + s].arrive_and_expect_tx(BOX);
-          if constexpr (GROUPS > 0) {
-            tl::tma_load(B_desc, mbarrier[FULL_B + s], b_s + s * BOX, j * 128, bx * 256, group);
-          } else {
-            tl::tma_load(B_desc, mbarrier[FULL_B + s], b_s + s * BOX, j * 128, bx * 256);
-          }
+          load_b(mbarrier[FULL_B + s], b_s + s * BOX, j * 128, bx * 256, group);
           mbarrier[EMPTY_B1 + s].wait(phase);
           mbarrier[FULL_B1 + s].arrive_and_expect_tx(BOX);
-          if constexpr (GROUPS > 0) {
-            tl::tma_load(B_desc, mbarrier[FULL_B1 + s], b1_s + s * BOX, j * 128, bx * 256 + 128, group);
-          } else {
-            tl::tma_load(B_desc, mbarrier[FULL_B1 + s], b1_s + s * BOX, j * 128, bx * 256 + 128);
-          }
+          load_b(mbarrier[FULL_B1 + s], b1_s + s * BOX, j * 128, bx * 256 + 128, group);
         }
       }
 #if DJAX_ATOMIC
@@ -271,12 +271,13 @@ extern "C" __global__ void __launch_bounds__(384, 1) DJAX_KERNEL(const float* __
         tile_coords(t, TILES, bx, by);
       }
     };
-    // (dense: the tile's own column; one variable fewer kept the dense kernel's compiled code as it was)
-#define DJAX_SCALE_COL(bx, sbx) (GROUPS > 0 ? (sbx) : (bx))
+    // the column of the tile's weight scales (dense: its own column; the grouped column kept apart from bx only
+    // there, so that the dense kernel's compiled code stays as measured)
+    auto scale_col = [](int bx, int sbx) { return GROUPS > 0 ? sbx : bx; };
     int e = 0, t = take_tile(0, e), bx, by, sbx = 0;
     if (walking(t)) {
       coords(t, e, bx, by, sbx);
-      load_ahead(DJAX_SCALE_COL(bx, sbx), by, 0);
+      load_ahead(scale_col(bx, sbx), by, 0);
     }
     for (int it = 0; walking(t); ++it) {
       int e_next = e, t_next = t, bx_next = bx, by_next = by, sbx_next = sbx;
@@ -302,7 +303,7 @@ extern "C" __global__ void __launch_bounds__(384, 1) DJAX_KERNEL(const float* __
         t_next = take_tile(it + 1, e_next);
         if (walking(t_next)) {
           coords(t_next, e_next, bx_next, by_next, sbx_next);
-          load_ahead(DJAX_SCALE_COL(bx_next, sbx_next), by_next, 0);
+          load_ahead(scale_col(bx_next, sbx_next), by_next, 0);
         }
       } else
       for (int j = 0; j < KB; ++j, ++g) {
@@ -314,12 +315,12 @@ extern "C" __global__ void __launch_bounds__(384, 1) DJAX_KERNEL(const float* __
         scale1[0] = ahead_a[0] * ahead_b1[0];
         scale1[1] = ahead_a[1] * ahead_b1[1];
         if (j + 1 < KB) {
-          load_ahead(DJAX_SCALE_COL(bx, sbx), by, j + 1);
+          load_ahead(scale_col(bx, sbx), by, j + 1);
         } else {
           t_next = take_tile(it + 1, e_next);
           if (walking(t_next)) {
             coords(t_next, e_next, bx_next, by_next, sbx_next);
-            load_ahead(DJAX_SCALE_COL(bx_next, sbx_next), by_next, 0);
+            load_ahead(scale_col(bx_next, sbx_next), by_next, 0);
           }
         }
         mbarrier[FULL_A + s].wait(phase);

@@ -16,8 +16,9 @@ tiles) and the shared memory (its own 64 KB of staging beside the ring) differ.
 The same kernel carries the grouped contiguous GEMM (MoE prefill, `groups` > 0; the launch plan of TileLang's
 grouped program): it walks only the tiles whose first row has a group, listed by each CTA at its start, so
 the tiles of padding after the last group cost no turn of the walk (where there are fewer tiles than SMs,
-only CTAs that list and exit), and reads each tile's group once instead of in every k block. With `half_tiles` the second warpgroup idles in a tile whose rows
-64-127 are padding, as in `fp8_gemm_tilelang.with_half_tiles`.
+only CTAs that list and exit), and reads each tile's group once instead of in every k block. With
+`half_tiles` the second warpgroup idles in a tile whose rows 64-127 are padding, as in
+`fp8_gemm_tilelang.with_half_tiles`.
 """
 
 import dataclasses
