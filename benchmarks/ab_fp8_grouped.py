@@ -6,22 +6,23 @@ earlier run's PNG beside it.)
 Layouts: V4-Flash's experts on one GPU at 4,096 tokens (top-6 of 256 with `bench_moe._routing`'s skew, each
 group padded to 128 rows, the layout's static bound of rows, so tiles of padding follow the last group), gate
 or up (n 2048, k 4096) and down (n 4096, k 2048); and `bench_moe.GROUPED_EP_SHAPES`' expert-parallel rank
-layouts (DeepGEMM's shapes, and V4-Flash's 32 local experts of about 768 rows). Variants: the default
-(`default_grouped_tiling`), the default with `half_tiles` flipped, where the layout has tiles of padding
-after its last group the default over the rows up to the last group only (the same kernel with fewer CTAs:
-what those tiles of padding cost), and the persistent kernel with the default's tiles and both walks
-(`WsTiling.persistent`: one CTA per SM walking the live tiles only). Each is checked against the f32
-reference on the rows of 16 groups (every variant's check includes tiles whose second half is padding), then
-timed in `--rounds` rounds (device time, `bench_kernels.bench`), each round starting with the next variant.
+layouts (DeepGEMM's shapes, and V4-Flash's 32 local experts of about 768 rows).
+Variants: the default (`default_grouped_tiling` for the layout's rows: where the tiles are 128x256, the
+persistent kernel with the atomic walk, one CTA per SM walking the live tiles only), the default with
+`half_tiles` flipped, and where the default is persistent, its static walk and the one-tile-a-CTA kernel
+(`default_grouped_tiling` without the rows: its own rule for half tiles) with half tiles as that rule says and
+flipped. Each is checked against the f32 reference on the rows of 16 groups (every variant's check includes
+tiles whose second half is padding), then timed in `--rounds` rounds (device time, `bench_kernels.bench`),
+each round starting with the next variant.
 FLOPs count the picks, not the padding.
 Writes fp8_grouped_ab.json under --out (rewritten after every layout) and its PNG.
 """
 
 import argparse
-import dataclasses
 import os
 import sys
 import time
+from dataclasses import replace
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 import jax  # noqa: E402
@@ -54,19 +55,18 @@ def layouts(only):
 
 def variants(mi, n, k):
     """(name, tiling, rows) per variant: rows is how many of the layout's rows it computes."""
-    default = F.default_grouped_tiling(n, k)
-    last = int(np.flatnonzero(mi >= 0)[-1]) + 1
-    live_rows = -(-last // default.block_m) * default.block_m
-    flipped = dataclasses.replace(default, half_tiles=not default.half_tiles)
-    out = [
-        ("default", default, mi.size),
-        ("half_tiles" if flipped.half_tiles else "whole tiles", flipped, mi.size),
-    ]
-    if live_rows < mi.size:
-        out.append(("default, rows to the last group", default, live_rows))
-    if default.block_n == 256:  # the persistent kernel's tiles, both walks
-        for walk in ("static", "atomic"):
-            out.append((f"persistent {walk}", dataclasses.replace(default, persistent=walk), mi.size))
+
+    def flipped(t):
+        return ("half_tiles" if not t.half_tiles else "whole tiles"), replace(t, half_tiles=not t.half_tiles)
+
+    default = F.default_grouped_tiling(n, k, mi.size)
+    out = [("default", default, mi.size), (*flipped(default), mi.size)]
+    if default.persistent:  # the other walk, and one tile a CTA with its own half-tile rule and the other
+        one_a_cta = F.default_grouped_tiling(n, k)
+        name, other = flipped(one_a_cta)
+        out.append(("persistent static", replace(default, persistent="static"), mi.size))
+        out.append(("one tile a CTA", one_a_cta, mi.size))
+        out.append((f"one tile a CTA, {name}", other, mi.size))
     return out
 
 

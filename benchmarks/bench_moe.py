@@ -381,9 +381,11 @@ def fp8_cases(record, small: bool, shapes=None):
         if mode == "contiguous" and not small:  # TileLang's grouped kernel, bf16 out: its default and others
             from djax.kernels.fp8_gemm_tilelang import WsTiling, default_grouped_tiling
 
-            default = default_grouped_tiling(f, d)
-            # 64-row tiles skip the second half of a 128-row group's padding (a tile starting on padding)
+            default = default_grouped_tiling(f, d, groups.shape[0])
+            # the one-tile-a-CTA kernel of the same tiles; 64-row tiles skip the second half of a 128-row
+            # group's padding (a tile starting on padding)
             others = [
+                replace(default, persistent=""),
                 WsTiling(64, 256, 4, panel=8, scales_ahead=True),
                 WsTiling(128, 128, 4, panel=8, scales_ahead=True),
             ]

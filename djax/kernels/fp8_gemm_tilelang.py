@@ -27,7 +27,7 @@ Compiling needs TileLang 0.1.15 and, for the cubin, nvcc (13.0 here and on the H
 import functools
 import hashlib
 import re
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 
 import jax
 import jax.numpy as jnp
@@ -313,14 +313,34 @@ WS_VARIANTS = {  # tilings worth timing (measured best first, then the newer one
 }
 
 
-def default_grouped_tiling(n: int, k: int) -> WsTiling:
+def default_grouped_tiling(n: int, k: int, m: int | None = None) -> WsTiling:
     """The grouped contiguous program's tiles (MoE prefill, every group a whole number of 128-row tiles):
     the dense prefill default's 128x256 where 256 divides n, else 128x128; 3 stages, panels of 8, the
     scales a k block ahead. Up to k 4096 the second warpgroup idles where its rows are padding
     (`half_tiles`), measured side by side (tilelang_fp8_gemm_h200_grouped_half_tiles*_ab.json): 6-7% faster
     at V4-Flash's experts on one GPU (k 4096 and 2048), 2.6-3% on an expert-parallel rank's 32 of them,
-    1.4% at n 7168, k 2048; at n 4096, k 7168 it was 4-14% slower, even in a layout with no idle half."""
-    return WsTiling(128, 256 if n % 256 == 0 else 128, 3, panel=8, scales_ahead=True, half_tiles=k <= 4096)
+    1.4% at n 7168, k 2048; at n 4096, k 7168 it was 4-14% slower, even in a layout with no idle half.
+
+    Given the layout's rows `m`, 128x256 tiles run in the persistent kernel with the atomic walk
+    (`fp8_persistent`: one CTA per SM over the live tiles only) wherever it takes the layout (its list of
+    tile rows fits in shared memory: up to about 600k rows), and there with whole tiles at every k. One H100,
+    2026-12-07, two rounds in each of two calls (tilelang_fp8_gemm_h100_grouped_persistent_half_tiles_ab.json,
+    _default_ab.json), best rounds against one tile a CTA with the rule above: V4-Flash's experts on one GPU
+    2.9-3.2% faster at gate/up (n 2048, k 4096; 41.6-41.8% of FP8 peak) and 9.2-10.0% at down (n 4096, k 2048;
+    40.2-40.4%), the six expert-parallel layouts 4.5-14.5% (54.7-63.7% of peak). Half tiles in the persistent
+    kernel were 1.4-10.5% slower at every layout; its static walk from 0.9% faster to 2.3% slower."""
+    block_n = 256 if n % 256 == 0 else 128
+    tiling = WsTiling(128, block_n, 3, panel=8, scales_ahead=True, half_tiles=k <= 4096)
+    if m is None or block_n != 256:
+        return tiling
+    from djax.kernels import fp8_persistent
+
+    persistent = replace(tiling, persistent="atomic", half_tiles=False)
+    try:
+        fp8_persistent.check(m, n, k, persistent, groups=1)
+    except ValueError:  # (a layout too long for the walk's list)
+        return tiling
+    return persistent
 
 
 def default_tiling(m: int, n: int, k: int) -> Tiling:
@@ -711,7 +731,7 @@ def lower_ws(m: int, n: int, k: int, tiling: WsTiling | None = None, groups: int
     """CUDA source and launch description of the TMA + warp-specialised variant: grid, threads (producer
     warpgroup included), shared_bytes, name, and params (per kernel parameter: an FFI buffer index for a pointer,
     or a `djax.ffi.tma.TensorMap`). groups > 0: the grouped contiguous program (`ws_program`). No GPU needed."""
-    tiling = tiling or (default_grouped_tiling(n, k) if groups else default_ws_tiling(m, n, k))
+    tiling = tiling or (default_grouped_tiling(n, k, m) if groups else default_ws_tiling(m, n, k))
     if tiling.persistent:  # (a CUDA kernel of its own, on the plan of TileLang's lowering of the same tiles)
         from djax.kernels import fp8_persistent
 
@@ -860,7 +880,7 @@ def ws_kernel(m: int, n: int, k: int, tiling: WsTiling | None = None, groups: in
     groups > 0: the grouped contiguous program over `groups` weight matrices."""
     from djax.ffi.tma import TmaKernel
 
-    tiling = tiling or (default_grouped_tiling(n, k) if groups else default_ws_tiling(m, n, k))
+    tiling = tiling or (default_grouped_tiling(n, k, m) if groups else default_ws_tiling(m, n, k))
     if groups:
         source, launch = lowered_on_disk(
             "fp8_grouped_ws", (m, n, k, tiling, groups), lower_ws, ws_sources(tiling)
@@ -941,7 +961,7 @@ def grouped_contiguous_tilelang(a, a_scale, b, b_scale, m_indices, tiling: WsTil
     m, k = a.shape
     g, n = b.shape[:2]
     check_shapes(m, n, k)
-    t = tiling or default_grouped_tiling(n, k)
+    t = tiling or default_grouped_tiling(n, k, m)
     if a.dtype != jnp.float8_e4m3fn or b.dtype != jnp.float8_e4m3fn or b.shape[2] != k:
         raise ValueError(f"need fp8_e4m3fn a[m, k], b[g, n, k]; got {a.dtype}{a.shape}, {b.dtype}{b.shape}")
     if m % t.block_m:

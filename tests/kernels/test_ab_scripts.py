@@ -5,6 +5,7 @@ timings, --plot, the rows checked and the variants timed."""
 import importlib.util
 import json
 import sys
+from dataclasses import replace
 from pathlib import Path
 
 import jax.numpy as jnp
@@ -91,20 +92,30 @@ def test_grouped_check_rows_cover_tiles_with_an_idle_half(grouped):
     assert idle.sum() >= grouped.CHECK_GROUPS // 2
 
 
-def test_grouped_variants_flip_half_tiles_cut_trailing_padding_and_walk_persistently(grouped):
+def test_grouped_variants_flip_half_tiles_and_set_the_persistent_default_beside_one_tile_a_cta(grouped):
     # a group of 200 rows padded to 256, then 3 tiles of padding
     mi = np.r_[np.full(200, 0), np.full(56, -1), np.full(384, -1)]
     names = {name: (t, rows) for name, t, rows in grouped.variants(mi, 2048, 4096)}
-    assert names["default"][0].half_tiles and not names["whole tiles"][0].half_tiles
-    assert names["default, rows to the last group"][1] == 256 and names["default"][1] == mi.size
-    for walk in ("static", "atomic"):  # the default's tiles and half tiles, over every row of the layout
-        t, rows = names[f"persistent {walk}"]
-        assert t.persistent == walk and t.half_tiles and rows == mi.size
-    names = {name for name, _, _ in grouped.variants(mi[:256], 4096, 7168)}
-    # no trailing padding; half tiles not the default at k 7168
-    assert names == {"default", "half_tiles", "persistent static", "persistent atomic"}
-    names = {name for name, _, _ in grouped.variants(mi[:256], 384, 4096)}
-    assert names == {"default", "whole tiles"}  # 128x128 tiles: no persistent kernel
+    assert set(names) == {
+        "default",
+        "half_tiles",
+        "persistent static",
+        "one tile a CTA",
+        "one tile a CTA, whole tiles",
+    }
+    assert all(rows == mi.size for _, rows in names.values())
+    default = names["default"][0]
+    assert default.persistent == "atomic" and not default.half_tiles
+    assert names["half_tiles"][0] == replace(default, half_tiles=True)
+    assert names["persistent static"][0] == replace(default, persistent="static")
+    one_a_cta = names["one tile a CTA"][0]  # half tiles up to k 4096
+    assert one_a_cta == replace(default, persistent="", half_tiles=True)
+    assert names["one tile a CTA, whole tiles"][0] == replace(one_a_cta, half_tiles=False)
+    names = {name: t for name, t, _ in grouped.variants(mi[:256], 4096, 7168)}
+    assert not names["one tile a CTA"].half_tiles and "one tile a CTA, half_tiles" in names
+    names = {name: t for name, t, _ in grouped.variants(mi[:256], 384, 4096)}
+    assert set(names) == {"default", "whole tiles"}  # 128x128 tiles: no persistent kernel
+    assert not names["default"].persistent and names["default"].half_tiles
 
 
 def test_fp4_tilings_parse_and_plot(tmp_path, monkeypatch):

@@ -437,3 +437,29 @@ def test_tilelang_grouped_persistent_long_lists_and_none_live(walk):
     _persistent_calls(tiling, [every_other.reshape(-1)], n, d, groups, seed=90)
     none = np.full(tiles * 128, -1, np.int32)
     _persistent_calls(tiling, [none, every_other.reshape(-1), none], n, d, groups, seed=95)
+
+
+@needs_tilelang_gpu
+def test_grouped_contiguous_auto_runs_the_persistent_default(monkeypatch):
+    """`grouped_contiguous(impl="auto")` on a layout of more than two waves of 128x256 tiles takes TileLang
+    with no tiling given, whose default for the layout's rows is the persistent kernel's atomic walk with
+    whole tiles: the kernel built is that one, and its output matches the f32 reference on the live rows
+    (groups of 1 to 900 rows, a group of none, padding after the last)."""
+    from djax.kernels import fp8_gemm_tilelang
+
+    built = []
+    ws_kernel = fp8_gemm_tilelang.ws_kernel
+    monkeypatch.setattr(fp8_gemm_tilelang, "ws_kernel", lambda *z: built.append(z) or ws_kernel(*z))
+    counts = [1, 900, 0, 640, 129, 700, 64, 513]
+    mi = _layout(counts, 48 * 128)
+    n, d, e = 2048, 512, len(counts)
+    b, b_s = quantize_weight(jax.random.normal(jax.random.key(120), (e, n, d), jnp.float32))
+    a, a_s = quantize_act(jax.random.normal(jax.random.key(121), (mi.size, d), jnp.float32))
+    groups = jnp.asarray(mi)
+    out = jax.jit(grouped_contiguous)(a, a_s, b, b_s, groups)
+    ((m, nn, k, tiling, g),) = built
+    assert (m, nn, k, g) == (mi.size, n, d, e) and tiling.persistent == "atomic" and not tiling.half_tiles
+    live = mi >= 0
+    ref = grouped_contiguous(a, a_s, b, b_s, groups, jnp.float32, impl="ref")
+    assert out.dtype == BF16
+    assert_close(np.asarray(out.astype(jnp.float32))[live], np.asarray(ref)[live], BF16_OUT_RTOL)

@@ -381,6 +381,37 @@ def test_grouped_persistent_lowers_with_the_grouped_plan(tiling, m, n, k, groups
     assert tma.check(kern, sizes) == 6
 
 
+def test_grouped_default_is_the_persistent_kernel_where_it_takes_the_layout():
+    """Given the layout's rows, the grouped default is the persistent kernel with the atomic walk and whole
+    tiles (measured faster at every layout), over the same tiles as the one-tile-a-CTA kernel, which stays
+    the default without the rows (half tiles up to k 4096), with 128-column tiles and for a layout whose list
+    of tile rows does not fit beside the ring (4,800 tile rows do, 4,801 do not)."""
+    from djax.kernels.fp8_gemm_tilelang import WsTiling, default_grouped_tiling
+
+    one_a_cta = default_grouped_tiling(2048, 4096)
+    assert one_a_cta == WsTiling(128, 256, 3, 8, scales_ahead=True, half_tiles=True)
+    persistent = dataclasses.replace(one_a_cta, persistent="atomic", half_tiles=False)
+    assert default_grouped_tiling(2048, 4096, 57088) == persistent
+    assert default_grouped_tiling(4096, 7168, 32768) == persistent
+    assert default_grouped_tiling(2048, 4096, 4800 * 128) == persistent
+    assert default_grouped_tiling(2048, 4096, 4801 * 128) == one_a_cta
+    assert default_grouped_tiling(384, 4096, 57088) == default_grouped_tiling(384, 4096)
+    assert default_grouped_tiling(384, 4096).block_n == 128
+
+
+@needs_tilelang
+@needs_cuda_h
+def test_grouped_gemm_without_a_tiling_lowers_the_persistent_kernel():
+    """`lower_ws` with no tiling (as `grouped_contiguous_tilelang` calls it) lowers the grouped default for
+    the layout's rows: the persistent kernel's atomic walk, one CTA per SM."""
+    from djax.kernels.dispatch import sm_count
+    from djax.kernels.fp8_gemm_tilelang import lower_ws
+
+    src, launch = lower_ws(57088, 2048, 4096, None, 256)
+    assert launch["name"] == "fp8_gemm_grouped_kernel" and launch["grid"] == (sm_count(), 1, 1)
+    assert "#define DJAX_ATOMIC 1\n" in src and "#define DJAX_HALF_TILES 0\n" in src
+
+
 @needs_tilelang
 @needs_nvcc
 @pytest.mark.slow
@@ -639,7 +670,7 @@ def test_grouped_program_lowers_with_tile_skip_and_3d_weights(n):
     m, k, g = 1024, 1024, 8
     t = default_grouped_tiling(n, k)
     assert t.block_n == (256 if n % 256 == 0 else 128)
-    src, launch = lower_ws(m, n, k, None, g)
+    src, launch = lower_ws(m, n, k, t, g)
     assert launch["grid"] == (n // t.block_n, m // 128, 1) and launch["threads"] == 384
     maps = {p.buffer: p for p in launch["params"] if isinstance(p, tma.TensorMap)}
     ptrs = [p for p in launch["params"] if not isinstance(p, tma.TensorMap)]
