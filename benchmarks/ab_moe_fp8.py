@@ -1,6 +1,8 @@
-"""FP8 routed experts at decode token counts: the Triton kernels' K step, side by side in alternating rounds.
+"""FP8 routed experts side by side in alternating rounds: at decode token counts the Triton kernels' K step; at
+prefill (`--prefill`) the Triton kernels against TileLang's grouped GEMMs.
 
 python benchmarks/ab_moe_fp8.py [--tokens 64,32,128,8] [--rounds 3] [--out DIR]   (CUDA GPU)
+python benchmarks/ab_moe_fp8.py --prefill [--tokens 4096,1024,16384] [--out DIR]  (CUDA GPU, tilelang)
 python benchmarks/ab_moe_fp8.py --plot DIR/moe_fp8_ab.json                         (only the PNG)
 
 V4-Flash's routed experts (256 of 4,096 x 2,048, top-6, FP8 with 128 x 128 scales) under `bench_moe`'s skewed
@@ -13,6 +15,10 @@ reference on the first tokens (a wrong one is recorded and not timed); then ever
 time from a profiler trace, `bench_kernels.bench`), each round starting with the next variant, and records the
 largest kernels of each. Writes moe_fp8_ab.json (rewritten after every token count) and its PNG under --out: the
 touched experts' FP8 bytes over the time, as a fraction of the run's measured copy bandwidth.
+With `--prefill` the variants are the default (the Triton kernels over 64-row groups, as the model takes them),
+the same kernels over 128-row groups, and `impl="tilelang"` (128-row groups, gate and up as two TileLang
+grouped GEMMs and the SwiGLU in XLA, the down projection TileLang's too); the PNG shows the picks' FLOPs over
+the time as a fraction of FP8 peak. Writes moe_fp8_prefill_ab.json and its PNG.
 """
 
 import argparse
@@ -34,29 +40,37 @@ IMPL = "triton"  # the kernels' impl ("interpret" runs this script's flow on a C
 RTOL = 2e-2  # the fused kernel rounds gate and up to bf16 where the reference's order differs (bench_moe: 1.4e-2)
 
 
-def variants(n: int) -> dict:
-    """name -> (cfg, swiglu_cfg, the fused kernel's PAD_ROWS) for `moe_experts_fp8` at n tokens."""
+def variants(n: int, prefill: bool = False) -> dict:
+    """name -> `experts`' keywords at n tokens: decode, the kernels' tiles (cfg, swiglu_cfg) and the fused
+    kernel's PAD_ROWS; prefill, the layout's tiles or the TileLang path."""
+    from djax.kernels.grouped_gemm import GemmConfig
     from djax.kernels.moe_experts import fp8_config, swiglu_config
 
+    if prefill:
+        rows128 = GemmConfig(block_m=128, block_n=128, block_k=128, num_warps=8, num_stages=4)
+        return {"default": {}, "triton 128-row groups": dict(cfg=rows128), "tilelang": dict(impl="tilelang")}
     base = fp8_config(n * K, E)
     fused = swiglu_config(base, n * K, E, F)
-    out = {"default": (None, None, False), "padding rows written (before)": (None, None, True)}
+    out = {"default": {}, "padding rows written (before)": dict(pad_rows=True)}
     for bk, stages in ((256, 4), (256, 3), (512, 2)):
         down = replace(base, block_k=bk, num_stages=stages)
         gate_up = replace(fused, block_k=bk, num_stages=stages)
-        out[f"both bk{bk} st{stages}"] = (down, gate_up, False)
+        out[f"both bk{bk} st{stages}"] = dict(cfg=down, swiglu_cfg=gate_up)
         if (bk, stages) == (256, 4):
-            out[f"gate/up bk{bk} st{stages}"] = (base, gate_up, False)
-            out[f"down bk{bk} st{stages}"] = (down, fused, False)
-    out["both bk128 st6"] = (replace(base, num_stages=6), replace(fused, num_stages=6), False)
+            out[f"gate/up bk{bk} st{stages}"] = dict(cfg=base, swiglu_cfg=gate_up)
+            out[f"down bk{bk} st{stages}"] = dict(cfg=down, swiglu_cfg=fused)
+    out["both bk128 st6"] = dict(cfg=replace(base, num_stages=6), swiglu_cfg=replace(fused, num_stages=6))
     return out
 
 
-def experts(*a, cfg, swiglu_cfg, pad_rows: bool):
-    """`moe_experts_fp8` with the fused kernel's PAD_ROWS set while it is traced (so compiled into its cubin)."""
+def experts(*a, cfg=None, swiglu_cfg=None, pad_rows: bool = False, impl=None):
+    """`moe_experts_fp8` with the fused kernel's PAD_ROWS set while it is traced (so compiled into its cubin);
+    impl None: IMPL."""
     from djax.kernels import fp8_swiglu_triton as sk
     from djax.kernels.moe_experts import moe_experts_fp8
 
+    if impl is not None:
+        return moe_experts_fp8(*a, LIMIT, impl=impl)
     before, sk.PAD_ROWS = sk.PAD_ROWS, pad_rows
     try:
         return moe_experts_fp8(*a, LIMIT, impl=IMPL, cfg=cfg, swiglu_cfg=swiglu_cfg)
@@ -67,28 +81,44 @@ def experts(*a, cfg, swiglu_cfg, pad_rows: bool):
 def plot(result: dict, path: str) -> None:
     from ab_plot import plot_rounds
 
-    bw = result["copy_bw"]
-    panels = [
-        (
-            f"{row['tokens']} tokens, {row['touched']} experts touched: FP8 bytes / time, fraction of copy",
-            lambda us, nbytes=row["bytes"]: nbytes / (us * 1e-6) / bw,
-            row["rounds"],
-        )
-        for row in result["rows"]
-    ]
-    suptitle = f"FP8 routed experts, K step of the Triton kernels, {result['device']}, {result['date'][:10]}"
-    plot_rounds(panels, "default", 0.7, suptitle, path)
+    if result.get("prefill"):
+        from bench_tilelang import FP8_PEAK
+
+        panels = [
+            (
+                f"{row['tokens']} tokens, {row['touched']} experts touched: picks' FLOPs / time, of FP8 peak",
+                lambda us, flops=row["flops"]: flops / (us * 1e-6) / FP8_PEAK,
+                row["rounds"],
+            )
+            for row in result["rows"]
+        ]
+        what, target = "Triton against TileLang at prefill", 0.6
+    else:
+        bw = result["copy_bw"]
+        panels = [
+            (
+                f"{row['tokens']} tokens, {row['touched']} experts touched: FP8 bytes / time, fraction of copy",
+                lambda us, nbytes=row["bytes"]: nbytes / (us * 1e-6) / bw,
+                row["rounds"],
+            )
+            for row in result["rows"]
+        ]
+        what, target = "K step of the Triton kernels", 0.7
+    suptitle = f"FP8 routed experts, {what}, {result['device']}, {result['date'][:10]}"
+    plot_rounds(panels, "default", target, suptitle, path)
 
 
 def main():
     p = argparse.ArgumentParser()
-    p.add_argument("--tokens", default="64,32,128,8")
+    p.add_argument("--tokens", default=None, help="default 64,32,128,8; with --prefill 4096,1024,16384")
+    p.add_argument("--prefill", action="store_true", help="the Triton kernels against TileLang's at prefill")
     args = side_by_side_args(p, 3, plot)
     if args is None:
         return
+    tokens = args.tokens or ("4096,1024,16384" if args.prefill else "64,32,128,8")
     from bench_kernels import measure_ceilings
     from bench_moe import first_tokens_check, routed_sets
-    from bench_tilelang import rel_err
+    from bench_tilelang import FP8_PEAK, rel_err
 
     from djax.kernels.moe_experts import moe_experts_fp8
     from djax.quant import quantize
@@ -96,6 +126,7 @@ def main():
     os.makedirs(args.out, exist_ok=True)
     copy_bw, _ = measure_ceilings()
     res = dict(device=jax.devices()[0].device_kind, date=time.strftime("%Y-%m-%d %H:%M:%S"), copy_bw=copy_bw)
+    res["prefill"] = args.prefill
     res["rows"] = []
     print("copy", copy_bw / 1e12, "TB/s", flush=True)
     qs = []
@@ -107,13 +138,14 @@ def main():
         del w
     per_expert = sum(q.nbytes for q in qs) // E
     ref_first, first = first_tokens_check(moe_experts_fp8)
-    for n in [int(t) for t in args.tokens.split(",")]:
+    for n in [int(t) for t in tokens.split(",")]:
         sets, touched = routed_sets(n, D, E, K, (90, 95), qs)
         want = np.asarray(jax.jit(ref_first)(*sets[0]), np.float32)
         row = dict(tokens=n, touched=touched, bytes=touched * per_expert, rel_err={}, rounds=[], kernels={})
+        row["flops"] = 2 * n * K * 3 * D * F
         fns = {}
-        for name, (cfg, fused, pad_rows) in variants(n).items():
-            fn = functools.partial(experts, cfg=cfg, swiglu_cfg=fused, pad_rows=pad_rows)
+        for name, kw in variants(n, args.prefill).items():
+            fn = functools.partial(experts, **kw)
             try:
                 got = np.asarray(first(jax.jit(fn)(*sets[0])), np.float32)
                 row["rel_err"][name] = err = rel_err(got, want)
@@ -124,11 +156,10 @@ def main():
             if err <= RTOL:
                 fns[name] = fn
         timed = {name: (fn, sets) for name, fn in fns.items()}
-        row["rounds"] += timed_rounds(
-            timed, args.rounds, (n,), (row["bytes"], copy_bw, "copy"), row["kernels"]
-        )
+        share = (row["flops"], FP8_PEAK, "FP8 peak") if args.prefill else (row["bytes"], copy_bw, "copy")
+        row["rounds"] += timed_rounds(timed, args.rounds, (n,), share, row["kernels"])
         res["rows"].append(row)
-        save(res, args.out, "moe_fp8_ab", plot)
+        save(res, args.out, "moe_fp8_prefill_ab" if args.prefill else "moe_fp8_ab", plot)
 
 
 if __name__ == "__main__":

@@ -2,15 +2,35 @@
 
 from __future__ import annotations
 
+import functools
 import importlib.util
 import os
 import shutil
+import threading
 from pathlib import Path
 
 import jax
 
 # The SMs of the GPUs the default tilings were measured on (H100 SXM, H200): `sm_count` off CUDA
 MEASURED_SMS = 132
+
+
+# Triton's CPU interpreter patches its language module while a kernel runs, so two runs at once break each
+# other ("_semantic argument must be provided outside of JIT functions"); XLA's CPU client may run the host
+# callbacks of overlapping executions in parallel (a benchmark's calls over rotating inputs), so the
+# "interpret" paths take turns (`interpreted`).
+_INTERPRETER = threading.Lock()
+
+
+def interpreted(host):
+    """`host` (a host callback that runs Triton's interpreter) holding the interpreter's lock."""
+
+    @functools.wraps(host)
+    def run(*args):
+        with _INTERPRETER:
+            return host(*args)
+
+    return run
 
 
 # The compute capability every kernel is built for (Triton's cubins and TileLang's are sm_90: Hopper)

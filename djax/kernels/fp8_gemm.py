@@ -14,7 +14,7 @@ import numpy as np
 
 from djax.kernels import dispatch, shapes
 from djax.kernels import fp8_swiglu_triton as sk
-from djax.kernels.dispatch import resolve, sm_count
+from djax.kernels.dispatch import interpreted, resolve, sm_count
 from djax.kernels.fp8_gemm_ref import (
     fp8_gemm_ref,
     fp8_weight_gemm_ref,
@@ -25,10 +25,12 @@ from djax.kernels.fp8_gemm_ref import (
 )
 from djax.kernels.fp8_gemm_triton import DEFAULT_CFG as FP8_CFG
 from djax.kernels.fp8_gemm_triton import dense_config, split_k
+from djax.kernels.grouped_gemm_ref import swiglu_f32
 from djax.kernels.grouped_gemm_triton import GemmConfig, masked_config
 
 IMPLS = ("ref", "triton", "tilelang", "interpret")
 GROUPED_IMPLS = ("ref", "triton", "interpret")
+SWIGLU_IMPLS = GROUPED_IMPLS + ("tilelang",)
 WEIGHT_IMPLS = ("ref", "triton", "interpret")
 QUANT_IMPLS = ("ref", "triton", "interpret")
 CONTIGUOUS_IMPLS = ("ref", "triton", "tilelang", "interpret")
@@ -109,7 +111,7 @@ def fp8_weight_gemm(a, b, b_scale, block, impl: str = "auto", cfg=None, decode: 
     args = [a, jax.lax.bitcast_convert_type(b, jnp.uint8), b_scale.astype(jnp.float32)]
     if impl == "interpret":
         host = lambda *h: _host_weight(block, cfg, decode, out.dtype, *h)  # noqa: E731
-        c = jax.pure_callback(host, out, *args)
+        c = jax.pure_callback(interpreted(host), out, *args)
     else:
         names = ["a_ptr", "b_ptr", "bs_ptr", "c_ptr"]
         c = _launch(wk.fp8_weight_gemm_kernel, names, args, out, cx, cfg, wk.grid(m, n, cfg, g))
@@ -182,7 +184,7 @@ def _quant_gemm(a, weights: list, ue8m0: bool, impl: str, cfg, rounding: str | N
     args = [a] + [x for w, scale in weights for x in (w, scale.astype(jnp.float32))]
     if impl == "interpret":
         host = lambda *h: _host_quant(ue8m0, cfg, rounding, out.dtype, *h)  # noqa: E731
-        c = jax.pure_callback(host, out, *args)
+        c = jax.pure_callback(interpreted(host), out, *args)
     else:
         names = ["a_ptr", "b_ptr", "bs_ptr"] + (["b2_ptr", "bs2_ptr"] if pair else []) + ["c_ptr"]
         kernel = qk.fp8_quant_gemm_pair_kernel if pair else qk.fp8_quant_gemm_kernel
@@ -302,13 +304,20 @@ def grouped_swiglu_contiguous(
     """An MoE layer's gate and up projections and its SwiGLU in one pass; see
     `fp8_gemm_ref.grouped_swiglu_contiguous_ref`. Triton (`fp8_swiglu_triton`): groups start at multiples of
     cfg.block_m, m is a multiple of it, cfg.block_n divides 128 (no K split); padding rows are left
-    unwritten (the down projection's quantization takes them as zeros without reading them)."""
+    unwritten (the down projection's quantization takes them as zeros without reading them). impl "tilelang"
+    (`swiglu_contiguous_tilelang`; bf16 gate_dtype, f and k multiples of 128, groups starting at multiples of
+    128 rows): gate and up as two TileLang grouped GEMMs, the SwiGLU in XLA; padding rows 0. "auto" is
+    Triton's."""
     shapes.fp8_swiglu_contiguous(a, a_scale, rows, w1, s1, w3, s3, m_indices)
-    impl = resolve(impl, GROUPED_IMPLS)
+    impl = resolve(impl, SWIGLU_IMPLS)
     gate_dtype = jnp.dtype(gate_dtype)
     sk.rounding(gate_dtype.name)  # one the kernel can round to, whichever impl runs
     if impl == "ref":
         return grouped_swiglu_contiguous_ref(a, a_scale, rows, w1, s1, w3, s3, m_indices, limit, gate_dtype)
+    if impl == "tilelang":
+        if gate_dtype != jnp.bfloat16:
+            raise ValueError(f"the TileLang grouped GEMMs write bfloat16, got gate_dtype {gate_dtype}")
+        return swiglu_contiguous_tilelang(a, a_scale, rows, w1, s1, w3, s3, m_indices, limit)
     cfg = cfg or FP8_CFG
     f32, i32 = jnp.float32, jnp.int32
     m, (_, n, k) = rows.shape[0], w1.shape
@@ -326,9 +335,25 @@ def grouped_swiglu_contiguous(
     out = jax.ShapeDtypeStruct((m, n), f32)
     if impl == "interpret":
         host = lambda *h: _host_swiglu(limit, gate_dtype.name, cfg, *h)  # noqa: E731
-        return jax.pure_callback(host, out, *args)
+        return jax.pure_callback(interpreted(host), out, *args)
     names = ["a_ptr", "as_ptr", "rows_ptr", "w1_ptr", "s1_ptr", "w3_ptr", "s3_ptr", "grp_ptr", "h_ptr"]
     return _launch(sk.fp8_swiglu_kernel, names, args, out, cx, cfg, sk.grid(m, n, cfg))
+
+
+def swiglu_contiguous_tilelang(a, a_scale, rows, w1, s1, w3, s3, m_indices, limit: float):
+    """`grouped_swiglu_contiguous` by TileLang's grouped GEMM (`fp8_gemm_tilelang.grouped_contiguous_tilelang`,
+    its default tiles for the layout): the token rows gathered into the layout (a TMA load reads rows in
+    place), gate and up as two grouped GEMMs rounded to bf16 (as the reference rounds them), then the clamped
+    SwiGLU and the padding rows' zeros, which XLA fuses into what reads them. Returns f32[m, f]."""
+    from djax.kernels.fp8_gemm_tilelang import grouped_contiguous_tilelang
+
+    live = (m_indices >= 0) & (rows >= 0)
+    src = jnp.maximum(rows, 0)
+    # padding rows read token 0 (computed, then zeroed): a tile takes whatever its rows hold
+    a, a_scale = a[src], a_scale[src].astype(jnp.float32)
+    gate = grouped_contiguous_tilelang(a, a_scale, w1, s1, m_indices)
+    up = grouped_contiguous_tilelang(a, a_scale, w3, s3, m_indices)
+    return jnp.where(live[:, None], swiglu_f32(gate, up, limit), 0.0)
 
 
 def grouped_masked(
@@ -364,7 +389,7 @@ def _run(impl, mode, a, a_scale, b, b_scale, groups, out_dtype, cfg):
     groups = jnp.zeros((1,), jnp.int32) if groups is None else groups.astype(jnp.int32)
     args = [a, a_scale.astype(f32), b, b_scale.astype(f32), groups]
     if impl == "interpret":
-        c = jax.pure_callback(lambda *h: _host(mode, cfg, out.dtype, *h), out, *args)
+        c = jax.pure_callback(interpreted(lambda *h: _host(mode, cfg, out.dtype, *h)), out, *args)
     else:
         names = ["a_ptr", "as_ptr", "b_ptr", "bs_ptr", "grp_ptr", "c_ptr"]
         c = _launch(tk.fp8_gemm_kernel, names, args, out, cx, cfg, tk.grid(m, n, cfg))

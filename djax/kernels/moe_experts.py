@@ -16,7 +16,7 @@ import jax.numpy as jnp
 import numpy as np
 
 from djax.kernels import fp8_gemm, moe_layout_triton
-from djax.kernels.dispatch import per_gpu, resolve
+from djax.kernels.dispatch import interpreted, per_gpu, resolve
 from djax.kernels.fp8_gemm_ref import quantize_act
 from djax.kernels.fp8_gemm_triton import Fp8Config, fewest_splits
 from djax.kernels.grouped_gemm import GemmConfig, grouped_gemm, grouped_swiglu, reads_fp4
@@ -39,6 +39,9 @@ PREFILL_CFG = GemmConfig(block_m=64, block_n=128, block_k=64, num_warps=4, num_s
 FP4_FEW_PICKS_CFG = GemmConfig(block_m=16, block_n=128, block_k=256, num_warps=8, num_stages=3)
 FP8_DECODE_CFG = GemmConfig(block_m=16, block_n=128, block_k=128, num_warps=4, num_stages=4)
 FP8_PREFILL_CFG = GemmConfig(block_m=64, block_n=128, block_k=128, num_warps=4, num_stages=4)
+# `moe_experts_fp8(impl="tilelang")`'s layout: TileLang's grouped GEMMs take 128-row groups (only block_m is
+# read; the GEMMs take their own tiles)
+TILELANG_LAYOUT_CFG = GemmConfig(block_m=128, block_n=128, block_k=128, num_warps=8, num_stages=4)
 
 
 class Layout(NamedTuple):
@@ -83,7 +86,7 @@ def layout(idx, num_experts: int, block_m: int, impl: str = "auto") -> Layout:
             got = moe_layout_triton.launch_torch(torch.from_numpy(np.array(i)), num_experts, block_m, m_pad)
             return tuple(t.numpy() for t in got)
 
-        return Layout(*jax.pure_callback(host, out, idx))
+        return Layout(*jax.pure_callback(interpreted(host), out, idx))
     from djax.ffi import cubin
 
     cx = moe_layout_triton.constexprs(n * k, k, num_experts, block_m, m_pad)
@@ -184,6 +187,12 @@ def moe_experts_fp8(
     `grouped_contiguous` ("ref" the jnp spec); `swiglu_cfg` the fused kernel's tiles (block_m as cfg's), None
     for `swiglu_config`'s. Returns [n, d] in x's dtype.
 
+    impl "tilelang" (prefill; bf16 x, d and f multiples of 128): the picks in 128-row groups, gate and up as
+    two TileLang grouped GEMMs with the SwiGLU in XLA (`fp8_gemm.swiglu_contiguous_tilelang`), the down
+    projection TileLang's grouped GEMM too, each with its default tiles for the layout (the persistent kernel
+    where it takes it); cfg, if given, must have 128-row tiles, and swiglu_cfg none. Not what "auto" takes:
+    side by side with the Triton kernels at prefill it has not been measured yet (`ab_moe_fp8.py --prefill`).
+
     Gate and up come out in x's dtype and the SwiGLU runs in float32 before its quantization, as in
     DeepSeek's inference (bf16 linear outputs, then the activation quantized)."""
     for name, w in (("w1", w1), ("w2", w2), ("w3", w3)):
@@ -193,10 +202,13 @@ def moe_experts_fp8(
             )
     n, d = x.shape
     e, k = w1.shape[0], idx.shape[1]
-    cfg = cfg or fp8_config(n * k, e)
+    tilelang = impl == "tilelang"
+    if tilelang and (cfg is not None and cfg.block_m != 128 or swiglu_cfg is not None):
+        raise ValueError("impl 'tilelang' lays the picks out in 128-row groups and takes no swiglu_cfg")
+    cfg = cfg or (TILELANG_LAYOUT_CFG if tilelang else fp8_config(n * k, e))
     if swiglu_cfg is not None and swiglu_cfg.block_m != cfg.block_m:
         raise ValueError(f"swiglu_cfg's block_m {swiglu_cfg.block_m} must be the layout's, {cfg.block_m}")
-    lay = layout(idx, e, cfg.block_m, impl)
+    lay = layout(idx, e, cfg.block_m, "auto" if tilelang else impl)
     dt = x.dtype
     scale = lambda w: w.scale.astype(jnp.float32)  # noqa: E731
     xq, xs = quantize_act(x, ue8m0=has_ue8m0_scales(w1))
@@ -212,10 +224,10 @@ def moe_experts_fp8(
         limit,
         dt,
         impl=impl,
-        cfg=swiglu_cfg or swiglu_config(cfg, n * k, e, w1.shape[1]),
+        cfg=None if tilelang else swiglu_cfg or swiglu_config(cfg, n * k, e, w1.shape[1]),
     )
     hq, hs = quantize_down_acts(h, lay, ue8m0=has_ue8m0_scales(w2))
-    c = fp8_split(cfg, n * k, e, *w2.shape[1:])
+    c = None if tilelang else fp8_split(cfg, n * k, e, *w2.shape[1:])
     y = fp8_gemm.grouped_contiguous(
         hq, hs, w2.values, scale(w2), lay.m_indices, out_dtype=dt, impl=impl, cfg=c
     )

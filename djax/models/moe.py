@@ -123,7 +123,8 @@ def experts_triton(x, weights, idx, w1, w2, w3, limit: float) -> jax.Array:
 def experts_fp8(x, weights, idx, w1, w2, w3, limit: float, impl: str = "auto") -> jax.Array:
     """FP8 experts in DeepGEMM's layout read as stored by the block-scaled grouped GEMMs
     (`djax.kernels.moe_experts.moe_experts_fp8`; impl as `grouped_contiguous`'s: "auto" the Triton kernels on
-    CUDA and the jnp spec elsewhere, "triton", "ref", "interpret"), the activations
+    CUDA and the jnp spec elsewhere, "triton", "ref", "interpret", or "tilelang" for prefill: TileLang's
+    grouped GEMMs over 128-row groups), the activations
     quantized 1x128 as in DeepSeek's inference. On the H200 at V4-Flash's expert shapes 22-138x faster than
     making the stack dense on use at decode and 4.9x at 4,096 tokens (bench_kernels' moe_fp8 section,
     kernels_h200_moe_fp8_fused_default.json)."""

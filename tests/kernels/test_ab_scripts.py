@@ -213,25 +213,31 @@ def test_fp8_quant_gemm_pairs_run(tmp_path, monkeypatch):
 @needs_triton_interp
 def test_moe_fp8_variants_and_run(tmp_path, monkeypatch):
     """ab_moe_fp8: the variants' K steps (both kernels, one of them, the stage counts) and the fused kernel as it
-    was; then a run on the CPU at small expert shapes through Triton's interpreter, each variant checked against
-    the reference on the first tokens and timed, the JSON and, where matplotlib is installed, the PNG written."""
+    was, and the prefill variants; then runs on the CPU at small expert shapes through Triton's interpreter
+    (decode, then --prefill with its Triton variants), each variant checked against the reference on the first
+    tokens and timed, the JSON and, where matplotlib is installed, the PNG written."""
     import ab_moe_fp8 as ab
     import bench_kernels
 
-    v = ab.variants(64)
-    assert v["default"] == (None, None, False) and v["padding rows written (before)"] == (None, None, True)
-    steps = {name: (c.block_k, f.block_k, c.num_stages) for name, (c, f, _) in v.items() if c is not None}
+    full = ab.variants
+    v = full(64)
+    assert v["default"] == {} and v["padding rows written (before)"] == dict(pad_rows=True)
+    tiles = {name: (kw["cfg"], kw["swiglu_cfg"]) for name, kw in v.items() if "cfg" in kw}
+    steps = {name: (c.block_k, f.block_k, c.num_stages) for name, (c, f) in tiles.items()}
     assert steps["both bk256 st4"] == (256, 256, 4) and steps["both bk512 st2"] == (512, 512, 2)
     assert steps["gate/up bk256 st4"] == (128, 256, 4) and steps["down bk256 st4"] == (256, 128, 4)
     assert len(v) == 8 and steps["both bk128 st6"] == (128, 128, 6)
-    assert all(c.block_m == f.block_m == 16 for c, f, _ in v.values() if c is not None)
+    assert all(c.block_m == f.block_m == 16 for c, f in tiles.values())
+    prefill = full(4096, prefill=True)
+    assert prefill["default"] == {} and prefill["tilelang"] == dict(impl="tilelang")
+    assert prefill["triton 128-row groups"]["cfg"].block_m == 128 and len(prefill) == 3
     monkeypatch.setattr(ab, "D", 256)
     monkeypatch.setattr(ab, "F", 128)
     monkeypatch.setattr(ab, "E", 8)
     monkeypatch.setattr(ab, "K", 2)
     monkeypatch.setattr(ab, "IMPL", "interpret")
     kept = ("default", "padding rows written (before)", "both bk256 st4")
-    monkeypatch.setattr(ab, "variants", lambda n, full=ab.variants: {k: full(n)[k] for k in kept})
+    monkeypatch.setattr(ab, "variants", lambda n, prefill: {k: full(n, prefill)[k] for k in kept})
     monkeypatch.setattr(bench_kernels, "measure_ceilings", lambda: (3e12, 8e14))  # a 2 GiB pass: not on CI
     monkeypatch.setattr(
         sys, "argv", ["ab_moe_fp8.py", "--tokens", "3", "--rounds", "1", "--out", str(tmp_path)]
@@ -244,3 +250,13 @@ def test_moe_fp8_variants_and_run(tmp_path, monkeypatch):
     assert set(row["rounds"][0]) == set(kept) and all(t > 0 for t in row["rounds"][0].values())
     assert row["kernels"] == {name: [{}] for name in kept}  # one round's kernels each (none on a CPU)
     assert (tmp_path / "moe_fp8_ab.png").exists() == (importlib.util.find_spec("matplotlib") is not None)
+    # --prefill: the Triton variants (TileLang's needs a GPU), their FLOPs as the PNG's measure
+    kept = ("default", "triton 128-row groups")
+    monkeypatch.setattr(
+        sys, "argv", ["ab_moe_fp8.py", "--prefill", "--tokens", "40", "--rounds", "1", "--out", str(tmp_path)]
+    )
+    ab.main()
+    res = json.loads((tmp_path / "moe_fp8_prefill_ab.json").read_text())
+    (row,) = res["rows"]
+    assert res["prefill"] and row["tokens"] == 40 and row["flops"] == 2 * 40 * 2 * 3 * 256 * 128
+    assert set(row["rounds"][0]) == set(kept) and all(e <= ab.RTOL for e in row["rel_err"].values())

@@ -359,3 +359,32 @@ def test_decode_config_compiles_to_sm90_cubin():
     k = compile_triton(fp8_gemm_kernel, names, dtypes, cx, cfg.num_warps, cfg.num_stages)
     assert k.binary[:4] == b"\x7fELF" and k.threads == 32 * cfg.num_warps
     assert 0 < k.shared_bytes <= MAX_SHARED_BYTES
+
+
+def test_interpreted_host_callbacks_take_turns():
+    """Host callbacks that run Triton's interpreter hold one lock (the interpreter patches its language module
+    while it runs): called from four threads at once, no two run together, and each returns its own result."""
+    import threading
+    import time
+
+    from djax.kernels.dispatch import interpreted
+
+    running, most, results = [0], [0], {}
+    guard = threading.Lock()
+
+    def host(i):
+        with guard:
+            running[0] += 1
+            most[0] = max(most[0], running[0])
+        time.sleep(0.05)
+        with guard:
+            running[0] -= 1
+        return i * i
+
+    run = interpreted(host)
+    threads = [threading.Thread(target=lambda i=i: results.update({i: run(i)})) for i in range(4)]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join()
+    assert most[0] == 1 and results == {i: i * i for i in range(4)}

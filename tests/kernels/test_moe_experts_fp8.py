@@ -230,3 +230,62 @@ def test_refuses_weights_it_cannot_read(make):
     bad = make(jnp.asarray(np.random.default_rng(0).standard_normal((6, 128, 256)), jnp.float32))
     with pytest.raises(ValueError, match="w3 is not an e4m3 QArray"):
         moe_experts_fp8(x, weights, idx, w1, w2, bad, 1.0, impl="ref")
+
+
+def _tilelang_stand_in(monkeypatch):
+    """`grouped_contiguous_tilelang` replaced by its reference rounded to bf16, with NaN in the rows of tiles
+    whose first row is padding (the kernel leaves them unwritten); returns the list of its calls' m_indices."""
+    from djax.kernels import fp8_gemm_tilelang
+    from djax.kernels.fp8_gemm_ref import grouped_contiguous_ref
+
+    calls = []
+
+    def stand_in(a, a_scale, b, b_scale, m_indices, tiling=None):
+        calls.append(np.asarray(m_indices))
+        out = grouped_contiguous_ref(a, a_scale, b, b_scale, m_indices, jnp.bfloat16)
+        skipped = jnp.repeat(m_indices[::128] < 0, 128)
+        return jnp.where(skipped[:, None], jnp.nan, out).astype(jnp.bfloat16)
+
+    monkeypatch.setattr(fp8_gemm_tilelang, "grouped_contiguous_tilelang", stand_in)
+    return calls
+
+
+def test_tilelang_prefill_path_wires_the_gemms_as_the_reference(monkeypatch):
+    """`moe_experts_fp8(impl="tilelang")` with the TileLang GEMM replaced by its reference: the picks in
+    128-row groups, gate, up and down through that GEMM (three calls over the same layout), the SwiGLU's
+    padding rows zero (the stand-in leaves NaN where the kernel leaves rows unwritten), and the same result,
+    bit for bit, as the jnp path in bf16 over its own layout; the fused form's own op likewise."""
+    calls = _tilelang_stand_in(monkeypatch)
+    x, weights, idx, w1, w2, w3 = _inputs(40, 300, 256, 128, 6, 3)
+    x = x.astype(jnp.bfloat16)
+    got = moe_experts_fp8(x, weights, idx, w1, w2, w3, 1.5, impl="tilelang")
+    want = moe_experts_fp8(x, weights, idx, w1, w2, w3, 1.5, impl="ref")
+    assert got.dtype == jnp.bfloat16 and np.isfinite(np.asarray(got, np.float32)).all()
+    np.testing.assert_array_equal(np.asarray(got, np.float32), np.asarray(want, np.float32))
+    assert len(calls) == 3 and all((c == calls[0]).all() for c in calls)
+    m_idx = calls[0]
+    starts = np.flatnonzero(np.r_[True, m_idx[1:] != m_idx[:-1]] & (m_idx >= 0))
+    assert m_idx.size % 128 == 0 and (starts % 128 == 0).all() and (m_idx[::128] < 0).any()
+
+    lay = layout(idx, 6, 128, "ref")
+    xq, xs = quantize_act(x)
+    args = (xq, xs, lay.rows, w1.values, w1.scale, w3.values, w3.scale, lay.m_indices, 1.5)
+    fused = np.asarray(fp8_gemm.grouped_swiglu_contiguous(*args, impl="tilelang"))
+    ref = np.asarray(fp8_gemm.grouped_swiglu_contiguous(*args, impl="ref"))
+    assert np.abs(ref).max() > 0.1 and not fused[np.asarray(lay.m_indices) < 0].any()
+    np.testing.assert_array_equal(fused, ref)
+
+
+def test_tilelang_prefill_path_refuses_what_it_does_not_take():
+    """Tiles other than 128 rows, a fused kernel's tiles and a gate dtype other than bf16 fail at trace time."""
+    x, weights, idx, w1, w2, w3 = _inputs(41, 8, 256, 128, 6, 3)
+    x = x.astype(jnp.bfloat16)
+    with pytest.raises(ValueError, match="128-row groups"):
+        moe_experts_fp8(x, weights, idx, w1, w2, w3, 1.5, impl="tilelang", cfg=FP8_PREFILL_CFG)
+    with pytest.raises(ValueError, match="128-row groups"):
+        moe_experts_fp8(x, weights, idx, w1, w2, w3, 1.5, impl="tilelang", swiglu_cfg=FP8_PREFILL_CFG)
+    lay = layout(idx, 6, 128, "ref")
+    xq, xs = quantize_act(x)
+    args = (xq, xs, lay.rows, w1.values, w1.scale, w3.values, w3.scale, lay.m_indices, 1.5, jnp.float32)
+    with pytest.raises(ValueError, match="write bfloat16"):
+        fp8_gemm.grouped_swiglu_contiguous(*args, impl="tilelang")
