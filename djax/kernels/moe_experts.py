@@ -205,6 +205,8 @@ def moe_experts_fp8(
     tilelang = impl == "tilelang"
     if tilelang and (cfg is not None and cfg.block_m != 128 or swiglu_cfg is not None):
         raise ValueError("impl 'tilelang' lays the picks out in 128-row groups and takes no swiglu_cfg")
+    if tilelang and x.dtype != jnp.bfloat16:
+        raise ValueError(f"impl 'tilelang' writes bfloat16: x must be bfloat16, got {x.dtype}")
     cfg = cfg or (TILELANG_LAYOUT_CFG if tilelang else fp8_config(n * k, e))
     if swiglu_cfg is not None and swiglu_cfg.block_m != cfg.block_m:
         raise ValueError(f"swiglu_cfg's block_m {swiglu_cfg.block_m} must be the layout's, {cfg.block_m}")

@@ -490,11 +490,14 @@ def test_tilelang_swiglu_contiguous_within_bf16_error():
 
 
 @needs_tilelang_gpu
-def test_moe_experts_fp8_tilelang_within_bf16_error():
+@pytest.mark.parametrize("scale_fmt", [None, "ue8m0"])
+def test_moe_experts_fp8_tilelang_within_bf16_error(scale_fmt):
     """`moe_experts_fp8(impl="tilelang")`: 128-row groups, gate/up and down by TileLang's grouped GEMM, against
-    the jnp reference in bf16, both judged against the reference in float32 (as the Triton test)."""
+    the jnp reference in bf16, both judged against the reference in float32 (as the Triton test); a pick
+    dropped (an id past the experts); UE8M0 weight scales too."""
     x, w, idx, *ws = _moe(1000, 1000, 512, 256, 32, 6)
-    q1, q2, q3 = (quantize(v.astype(jnp.float32)) for v in ws)
+    idx = idx.at[3, 2].set(32)
+    q1, q2, q3 = (quantize(v.astype(jnp.float32), scale_fmt=scale_fmt) for v in ws)
 
     def run(x, impl):
         return moe_experts_fp8(x, w, idx, q1, q2, q3, 10.0, impl=impl)

@@ -233,8 +233,9 @@ def test_refuses_weights_it_cannot_read(make):
 
 
 def _tilelang_stand_in(monkeypatch):
-    """`grouped_contiguous_tilelang` replaced by its reference rounded to bf16, with NaN in the rows of tiles
-    whose first row is padding (the kernel leaves them unwritten); returns the list of its calls' m_indices."""
+    """`grouped_contiguous_tilelang` replaced by its reference rounded to bf16, with NaN in every padding row
+    (the kernel leaves a skipped tile's rows unwritten and promises nothing for padding rows in a live tile);
+    returns the list of its calls' m_indices."""
     from djax.kernels import fp8_gemm_tilelang
     from djax.kernels.fp8_gemm_ref import grouped_contiguous_ref
 
@@ -243,33 +244,42 @@ def _tilelang_stand_in(monkeypatch):
     def stand_in(a, a_scale, b, b_scale, m_indices, tiling=None):
         calls.append(np.asarray(m_indices))
         out = grouped_contiguous_ref(a, a_scale, b, b_scale, m_indices, jnp.bfloat16)
-        skipped = jnp.repeat(m_indices[::128] < 0, 128)
-        return jnp.where(skipped[:, None], jnp.nan, out).astype(jnp.bfloat16)
+        return jnp.where((m_indices < 0)[:, None], jnp.nan, out).astype(jnp.bfloat16)
 
     monkeypatch.setattr(fp8_gemm_tilelang, "grouped_contiguous_tilelang", stand_in)
     return calls
 
 
-def test_tilelang_prefill_path_wires_the_gemms_as_the_reference(monkeypatch):
+@pytest.mark.parametrize("scale_fmt,pick_rows", [(None, False), ("ue8m0", True)])
+def test_tilelang_prefill_path_wires_the_gemms_as_the_reference(monkeypatch, scale_fmt, pick_rows):
     """`moe_experts_fp8(impl="tilelang")` with the TileLang GEMM replaced by its reference: the picks in
     128-row groups, gate, up and down through that GEMM (three calls over the same layout), the SwiGLU's
-    padding rows zero (the stand-in leaves NaN where the kernel leaves rows unwritten), and the same result,
-    bit for bit, as the jnp path in bf16 over its own layout; the fused form's own op likewise."""
+    padding rows zero (the stand-in leaves NaN in every padding row), picks dropped (ids outside [0, e)), and
+    the same result, bit for bit, as the jnp path in bf16 over its own layout; with UE8M0 weight scales, and
+    the down projection's activations quantized from the picks' rows (`pick_rows`) or from every row; the
+    fused form's own op likewise."""
+    from djax.kernels import moe_experts
+
+    monkeypatch.setattr(moe_experts, "PICK_ROWS_MIN_BYTES", 0 if pick_rows else 1 << 40)
     calls = _tilelang_stand_in(monkeypatch)
-    x, weights, idx, w1, w2, w3 = _inputs(40, 300, 256, 128, 6, 3)
+    x, weights, idx, w1, w2, w3 = _inputs(40, 300, 256, 128, 6, 3, scale_fmt)
+    idx = idx.at[0, 1].set(-1).at[150, 0].set(6)
     x = x.astype(jnp.bfloat16)
     got = moe_experts_fp8(x, weights, idx, w1, w2, w3, 1.5, impl="tilelang")
     want = moe_experts_fp8(x, weights, idx, w1, w2, w3, 1.5, impl="ref")
     assert got.dtype == jnp.bfloat16 and np.isfinite(np.asarray(got, np.float32)).all()
     np.testing.assert_array_equal(np.asarray(got, np.float32), np.asarray(want, np.float32))
+    assert np.abs(np.asarray(got[0], np.float32)).max() > 0  # the token with a dropped pick keeps its others
     assert len(calls) == 3 and all((c == calls[0]).all() for c in calls)
     m_idx = calls[0]
     starts = np.flatnonzero(np.r_[True, m_idx[1:] != m_idx[:-1]] & (m_idx >= 0))
     assert m_idx.size % 128 == 0 and (starts % 128 == 0).all() and (m_idx[::128] < 0).any()
+    assert (m_idx >= 0).sum() == 300 * 3 - 2
 
     lay = layout(idx, 6, 128, "ref")
     xq, xs = quantize_act(x)
-    args = (xq, xs, lay.rows, w1.values, w1.scale, w3.values, w3.scale, lay.m_indices, 1.5)
+    s1, s3 = w1.scale.astype(jnp.float32), w3.scale.astype(jnp.float32)  # as moe_experts_fp8 passes them
+    args = (xq, xs, lay.rows, w1.values, s1, w3.values, s3, lay.m_indices, 1.5)
     fused = np.asarray(fp8_gemm.grouped_swiglu_contiguous(*args, impl="tilelang"))
     ref = np.asarray(fp8_gemm.grouped_swiglu_contiguous(*args, impl="ref"))
     assert np.abs(ref).max() > 0.1 and not fused[np.asarray(lay.m_indices) < 0].any()
@@ -277,13 +287,15 @@ def test_tilelang_prefill_path_wires_the_gemms_as_the_reference(monkeypatch):
 
 
 def test_tilelang_prefill_path_refuses_what_it_does_not_take():
-    """Tiles other than 128 rows, a fused kernel's tiles and a gate dtype other than bf16 fail at trace time."""
+    """Tiles other than 128 rows, a fused kernel's tiles, x or a gate dtype other than bf16 fail at trace time."""
     x, weights, idx, w1, w2, w3 = _inputs(41, 8, 256, 128, 6, 3)
     x = x.astype(jnp.bfloat16)
     with pytest.raises(ValueError, match="128-row groups"):
         moe_experts_fp8(x, weights, idx, w1, w2, w3, 1.5, impl="tilelang", cfg=FP8_PREFILL_CFG)
     with pytest.raises(ValueError, match="128-row groups"):
         moe_experts_fp8(x, weights, idx, w1, w2, w3, 1.5, impl="tilelang", swiglu_cfg=FP8_PREFILL_CFG)
+    with pytest.raises(ValueError, match="x must be bfloat16"):
+        moe_experts_fp8(x.astype(jnp.float32), weights, idx, w1, w2, w3, 1.5, impl="tilelang")
     lay = layout(idx, 6, 128, "ref")
     xq, xs = quantize_act(x)
     args = (xq, xs, lay.rows, w1.values, w1.scale, w3.values, w3.scale, lay.m_indices, 1.5, jnp.float32)
