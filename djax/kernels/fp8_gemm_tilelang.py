@@ -313,7 +313,7 @@ WS_VARIANTS = {  # tilings worth timing (measured best first, then the newer one
 }
 
 
-def default_grouped_tiling(n: int, k: int, m: int | None = None) -> WsTiling:
+def default_grouped_tiling(n: int, k: int, m: int | None = None, groups: int = 1) -> WsTiling:
     """The grouped contiguous program's tiles (MoE prefill, every group a whole number of 128-row tiles):
     the dense prefill default's 128x256 where 256 divides n, else 128x128; 3 stages, panels of 8, the
     scales a k block ahead. Up to k 4096 the second warpgroup idles where its rows are padding
@@ -321,9 +321,10 @@ def default_grouped_tiling(n: int, k: int, m: int | None = None) -> WsTiling:
     at V4-Flash's experts on one GPU (k 4096 and 2048), 2.6-3% on an expert-parallel rank's 32 of them,
     1.4% at n 7168, k 2048; at n 4096, k 7168 it was 4-14% slower, even in a layout with no idle half.
 
-    Given the layout's rows `m`, 128x256 tiles run in the persistent kernel with the atomic walk
-    (`fp8_persistent`: one CTA per SM over the live tiles only) wherever it takes the layout (its list of
-    tile rows fits in shared memory: up to about 600k rows), and there with whole tiles at every k. One H100,
+    Given the layout's rows `m` (and its number of weight matrices, `groups`), 128x256 tiles run in the
+    persistent kernel with the atomic walk (`fp8_persistent`: one CTA per SM over the live tiles only)
+    wherever it takes the layout (its list of tile rows fits in shared memory: up to about 600k rows; at most
+    65,535 groups), and there with whole tiles at every k. One H100,
     2026-12-07, two rounds in each of two calls (tilelang_fp8_gemm_h100_grouped_persistent_half_tiles_ab.json,
     _default_ab.json), best rounds against one tile a CTA with the rule above: V4-Flash's experts on one GPU
     2.9-3.2% faster at gate/up (n 2048, k 4096; 41.6-41.8% of FP8 peak) and 9.2-10.0% at down (n 4096, k 2048;
@@ -337,7 +338,7 @@ def default_grouped_tiling(n: int, k: int, m: int | None = None) -> WsTiling:
 
     persistent = replace(tiling, persistent="atomic", half_tiles=False)
     try:
-        fp8_persistent.check(m, n, k, persistent, groups=1)
+        fp8_persistent.check(m, n, k, persistent, groups)
     except ValueError:  # (a layout too long for the walk's list)
         return tiling
     return persistent
@@ -731,7 +732,7 @@ def lower_ws(m: int, n: int, k: int, tiling: WsTiling | None = None, groups: int
     """CUDA source and launch description of the TMA + warp-specialised variant: grid, threads (producer
     warpgroup included), shared_bytes, name, and params (per kernel parameter: an FFI buffer index for a pointer,
     or a `djax.ffi.tma.TensorMap`). groups > 0: the grouped contiguous program (`ws_program`). No GPU needed."""
-    tiling = tiling or (default_grouped_tiling(n, k, m) if groups else default_ws_tiling(m, n, k))
+    tiling = tiling or (default_grouped_tiling(n, k, m, groups) if groups else default_ws_tiling(m, n, k))
     if tiling.persistent:  # (a CUDA kernel of its own, on the plan of TileLang's lowering of the same tiles)
         from djax.kernels import fp8_persistent
 
@@ -880,7 +881,7 @@ def ws_kernel(m: int, n: int, k: int, tiling: WsTiling | None = None, groups: in
     groups > 0: the grouped contiguous program over `groups` weight matrices."""
     from djax.ffi.tma import TmaKernel
 
-    tiling = tiling or (default_grouped_tiling(n, k, m) if groups else default_ws_tiling(m, n, k))
+    tiling = tiling or (default_grouped_tiling(n, k, m, groups) if groups else default_ws_tiling(m, n, k))
     if groups:
         source, launch = lowered_on_disk(
             "fp8_grouped_ws", (m, n, k, tiling, groups), lower_ws, ws_sources(tiling)
@@ -961,7 +962,7 @@ def grouped_contiguous_tilelang(a, a_scale, b, b_scale, m_indices, tiling: WsTil
     m, k = a.shape
     g, n = b.shape[:2]
     check_shapes(m, n, k)
-    t = tiling or default_grouped_tiling(n, k, m)
+    t = tiling or default_grouped_tiling(n, k, m, g)
     if a.dtype != jnp.float8_e4m3fn or b.dtype != jnp.float8_e4m3fn or b.shape[2] != k:
         raise ValueError(f"need fp8_e4m3fn a[m, k], b[g, n, k]; got {a.dtype}{a.shape}, {b.dtype}{b.shape}")
     if m % t.block_m:

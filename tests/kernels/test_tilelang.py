@@ -384,8 +384,8 @@ def test_grouped_persistent_lowers_with_the_grouped_plan(tiling, m, n, k, groups
 def test_grouped_default_is_the_persistent_kernel_where_it_takes_the_layout():
     """Given the layout's rows, the grouped default is the persistent kernel with the atomic walk and whole
     tiles (measured faster at every layout), over the same tiles as the one-tile-a-CTA kernel, which stays
-    the default without the rows (half tiles up to k 4096), with 128-column tiles and for a layout whose list
-    of tile rows does not fit beside the ring (4,800 tile rows do, 4,801 do not)."""
+    the default without the rows (half tiles up to k 4096), with 128-column tiles, for a layout whose list
+    of tile rows does not fit beside the ring (4,800 tile rows do, 4,801 do not) and past 65,535 groups."""
     from djax.kernels.fp8_gemm_tilelang import WsTiling, default_grouped_tiling
 
     one_a_cta = default_grouped_tiling(2048, 4096)
@@ -395,6 +395,8 @@ def test_grouped_default_is_the_persistent_kernel_where_it_takes_the_layout():
     assert default_grouped_tiling(4096, 7168, 32768) == persistent
     assert default_grouped_tiling(2048, 4096, 4800 * 128) == persistent
     assert default_grouped_tiling(2048, 4096, 4801 * 128) == one_a_cta
+    assert default_grouped_tiling(2048, 4096, 57088, groups=65535) == persistent
+    assert default_grouped_tiling(2048, 4096, 57088, groups=65536) == one_a_cta
     assert default_grouped_tiling(384, 4096, 57088) == default_grouped_tiling(384, 4096)
     assert default_grouped_tiling(384, 4096).block_n == 128
 
