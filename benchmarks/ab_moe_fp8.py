@@ -69,11 +69,9 @@ def experts(*a, cfg=None, swiglu_cfg=None, pad_rows: bool = False, impl=None):
     from djax.kernels import fp8_swiglu_triton as sk
     from djax.kernels.moe_experts import moe_experts_fp8
 
-    if impl is not None:
-        return moe_experts_fp8(*a, LIMIT, impl=impl)
     before, sk.PAD_ROWS = sk.PAD_ROWS, pad_rows
     try:
-        return moe_experts_fp8(*a, LIMIT, impl=IMPL, cfg=cfg, swiglu_cfg=swiglu_cfg)
+        return moe_experts_fp8(*a, LIMIT, impl=impl or IMPL, cfg=cfg, swiglu_cfg=swiglu_cfg)
     finally:
         sk.PAD_ROWS = before
 
@@ -81,29 +79,22 @@ def experts(*a, cfg=None, swiglu_cfg=None, pad_rows: bool = False, impl=None):
 def plot(result: dict, path: str) -> None:
     from ab_plot import plot_rounds
 
-    if result.get("prefill"):
+    if result.get("prefill"):  # compute-bound: the picks' FLOPs against FP8 peak
         from bench_tilelang import FP8_PEAK
 
-        panels = [
-            (
-                f"{row['tokens']} tokens, {row['touched']} experts touched: picks' FLOPs / time, of FP8 peak",
-                lambda us, flops=row["flops"]: flops / (us * 1e-6) / FP8_PEAK,
-                row["rounds"],
-            )
-            for row in result["rows"]
-        ]
+        work, ceiling, measure = "flops", FP8_PEAK, "picks' FLOPs / time, of FP8 peak"
         what, target = "Triton against TileLang at prefill", 0.6
-    else:
-        bw = result["copy_bw"]
-        panels = [
-            (
-                f"{row['tokens']} tokens, {row['touched']} experts touched: FP8 bytes / time, fraction of copy",
-                lambda us, nbytes=row["bytes"]: nbytes / (us * 1e-6) / bw,
-                row["rounds"],
-            )
-            for row in result["rows"]
-        ]
+    else:  # the touched experts' bytes against the run's copy bandwidth
+        work, ceiling, measure = "bytes", result["copy_bw"], "FP8 bytes / time, fraction of copy"
         what, target = "K step of the Triton kernels", 0.7
+    panels = [
+        (
+            f"{row['tokens']} tokens, {row['touched']} experts touched: {measure}",
+            lambda us, w=row[work]: w / (us * 1e-6) / ceiling,
+            row["rounds"],
+        )
+        for row in result["rows"]
+    ]
     suptitle = f"FP8 routed experts, {what}, {result['device']}, {result['date'][:10]}"
     plot_rounds(panels, "default", target, suptitle, path)
 

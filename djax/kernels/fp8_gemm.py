@@ -350,10 +350,9 @@ def swiglu_contiguous_tilelang(a, a_scale, rows, w1, s1, w3, s3, m_indices, limi
     live = (m_indices >= 0) & (rows >= 0)
     src = jnp.maximum(rows, 0)
     # padding rows read token 0 (computed, then zeroed): a tile takes whatever its rows hold
-    f32 = jnp.float32
-    a, a_scale = a[src], a_scale[src].astype(f32)
-    gate = grouped_contiguous_tilelang(a, a_scale, w1, s1.astype(f32), m_indices)
-    up = grouped_contiguous_tilelang(a, a_scale, w3, s3.astype(f32), m_indices)
+    a, a_scale = a[src], a_scale[src]
+    gate = grouped_contiguous_tilelang(a, a_scale, w1, s1, m_indices)
+    up = grouped_contiguous_tilelang(a, a_scale, w3, s3, m_indices)
     return jnp.where(live[:, None], swiglu_f32(gate, up, limit), 0.0)
 
 

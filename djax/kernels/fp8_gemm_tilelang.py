@@ -324,12 +324,12 @@ def default_grouped_tiling(n: int, k: int, m: int | None = None, groups: int = 1
     Given the layout's rows `m` (and its number of weight matrices, `groups`), 128x256 tiles run in the
     persistent kernel with the atomic walk (`fp8_persistent`: one CTA per SM over the live tiles only)
     wherever it takes the layout (its list of tile rows fits in shared memory: up to about 600k rows; at most
-    65,535 groups), and there with whole tiles at every k. One H100,
-    2026-12-07, two rounds in each of two calls (tilelang_fp8_gemm_h100_grouped_persistent_half_tiles_ab.json,
-    _default_ab.json), best rounds against one tile a CTA with the rule above: V4-Flash's experts on one GPU
-    2.9-3.2% faster at gate/up (n 2048, k 4096; 41.6-41.8% of FP8 peak) and 9.2-10.0% at down (n 4096, k 2048;
-    40.2-40.4%), the six expert-parallel layouts 4.5-14.5% (54.7-63.7% of peak). Half tiles in the persistent
-    kernel were 1.4-10.5% slower at every layout; its static walk from 0.9% faster to 2.3% slower."""
+    65,535 groups), and there with whole tiles at every k. One H100, 2026-12-07, two rounds in each of two
+    calls (tilelang_fp8_gemm_h100_grouped_persistent_half_tiles_ab.json, _default_ab.json), best rounds
+    against one tile a CTA with the rule above: V4-Flash's experts on one GPU 2.9-3.2% faster at gate/up
+    (n 2048, k 4096; 41.6-41.8% of FP8 peak) and 9.2-10.0% at down (n 4096, k 2048; 40.2-40.4%), the six
+    expert-parallel layouts 4.5-14.5% (54.7-63.7% of peak). Half tiles in the persistent kernel were 1.4-10.5%
+    slower at every layout; its static walk from 0.9% faster to 2.3% slower."""
     block_n = 256 if n % 256 == 0 else 128
     tiling = WsTiling(128, block_n, 3, panel=8, scales_ahead=True, half_tiles=k <= 4096)
     if m is None or block_n != 256:

@@ -243,7 +243,8 @@ def _tilelang_stand_in(monkeypatch):
 
     def stand_in(a, a_scale, b, b_scale, m_indices, tiling=None):
         calls.append(np.asarray(m_indices))
-        out = grouped_contiguous_ref(a, a_scale, b, b_scale, m_indices, jnp.bfloat16)
+        f32 = jnp.float32  # (the kernel takes scales of any float dtype, as f32)
+        out = grouped_contiguous_ref(a, a_scale.astype(f32), b, b_scale.astype(f32), m_indices, jnp.bfloat16)
         return jnp.where((m_indices < 0)[:, None], jnp.nan, out).astype(jnp.bfloat16)
 
     monkeypatch.setattr(fp8_gemm_tilelang, "grouped_contiguous_tilelang", stand_in)
