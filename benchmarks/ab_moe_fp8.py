@@ -19,6 +19,10 @@ With `--prefill` the variants are the default (the Triton kernels over 64-row gr
 the same kernels over 128-row groups, and `impl="tilelang"` (128-row groups, gate and up as two TileLang
 grouped GEMMs and the SwiGLU in XLA, the down projection TileLang's too); the PNG shows the picks' FLOPs over
 the time as a fraction of FP8 peak. Writes moe_fp8_prefill_ab.json and its PNG.
+Either way a "fp8 rows moved as bytes (before)" variant traces the program with `rows.WORDS` off: the fp8 rows
+that XLA gathers and scatters (the down projection's quantized activations; TileLang's gathered token rows)
+moved element by element, as before they moved as 32-bit words. `--only a,b` keeps the default and the
+variants whose names start with a or b.
 """
 
 import argparse
@@ -48,10 +52,20 @@ def variants(n: int, prefill: bool = False) -> dict:
 
     if prefill:
         rows128 = GemmConfig(block_m=128, block_n=128, block_k=128, num_warps=8, num_stages=4)
-        return {"default": {}, "triton 128-row groups": dict(cfg=rows128), "tilelang": dict(impl="tilelang")}
+        return {
+            "default": {},
+            "fp8 rows moved as bytes (before)": dict(words=False),
+            "triton 128-row groups": dict(cfg=rows128),
+            "tilelang": dict(impl="tilelang"),
+            "tilelang, fp8 rows moved as bytes (before)": dict(impl="tilelang", words=False),
+        }
     base = fp8_config(n * K, E)
     fused = swiglu_config(base, n * K, E, F)
-    out = {"default": {}, "padding rows written (before)": dict(pad_rows=True)}
+    out = {
+        "default": {},
+        "padding rows written (before)": dict(pad_rows=True),
+        "fp8 rows moved as bytes (before)": dict(words=False),
+    }
     for bk, stages in ((256, 4), (256, 3), (512, 2)):
         down = replace(base, block_k=bk, num_stages=stages)
         gate_up = replace(fused, block_k=bk, num_stages=stages)
@@ -63,17 +77,19 @@ def variants(n: int, prefill: bool = False) -> dict:
     return out
 
 
-def experts(*a, cfg=None, swiglu_cfg=None, pad_rows: bool = False, impl=None):
-    """`moe_experts_fp8` with the fused kernel's PAD_ROWS set while it is traced (so compiled into its cubin);
-    impl None: IMPL."""
+def experts(*a, cfg=None, swiglu_cfg=None, pad_rows: bool = False, impl=None, words: bool = True):
+    """`moe_experts_fp8` with the fused kernel's PAD_ROWS and `rows.WORDS` (fp8 rows gathered and scattered
+    as words) set while it is traced (so compiled into its cubin and its XLA program); impl None: IMPL."""
     from djax.kernels import fp8_swiglu_triton as sk
+    from djax.kernels import rows
     from djax.kernels.moe_experts import moe_experts_fp8
 
-    before, sk.PAD_ROWS = sk.PAD_ROWS, pad_rows
+    before = sk.PAD_ROWS, rows.WORDS
+    sk.PAD_ROWS, rows.WORDS = pad_rows, words
     try:
         return moe_experts_fp8(*a, LIMIT, impl=impl or IMPL, cfg=cfg, swiglu_cfg=swiglu_cfg)
     finally:
-        sk.PAD_ROWS = before
+        sk.PAD_ROWS, rows.WORDS = before
 
 
 def plot(result: dict, path: str) -> None:
@@ -103,6 +119,9 @@ def main():
     p = argparse.ArgumentParser()
     p.add_argument("--tokens", default=None, help="default 64,32,128,8; with --prefill 4096,1024,16384")
     p.add_argument("--prefill", action="store_true", help="the Triton kernels against TileLang's at prefill")
+    p.add_argument(
+        "--only", default="", help="comma-separated starts of the variant names to keep (and the default)"
+    )
     args = side_by_side_args(p, 3, plot)
     if args is None:
         return
@@ -135,7 +154,10 @@ def main():
         row = dict(tokens=n, touched=touched, bytes=touched * per_expert, rel_err={}, rounds=[], kernels={})
         row["flops"] = 2 * n * K * 3 * D * F
         fns = {}
+        keep = [part for part in args.only.split(",") if part]
         for name, kw in variants(n, args.prefill).items():
+            if keep and name != "default" and not name.startswith(tuple(keep)):
+                continue
             fn = functools.partial(experts, **kw)
             try:
                 got = np.asarray(first(jax.jit(fn)(*sets[0])), np.float32)

@@ -346,11 +346,12 @@ def swiglu_contiguous_tilelang(a, a_scale, rows, w1, s1, w3, s3, m_indices, limi
     place), gate and up as two grouped GEMMs rounded to bf16 (as the reference rounds them), then the clamped
     SwiGLU and the padding rows' zeros, which XLA fuses into what reads them. Returns f32[m, f]."""
     from djax.kernels.fp8_gemm_tilelang import grouped_contiguous_tilelang
+    from djax.kernels.rows import take_rows
 
     live = (m_indices >= 0) & (rows >= 0)
     src = jnp.maximum(rows, 0)
     # padding rows read token 0 (computed, then zeroed): a tile takes whatever its rows hold
-    a, a_scale = a[src], a_scale[src]
+    a, a_scale = take_rows(a, src), a_scale[src]  # fp8 rows as words: `rows`
     gate = grouped_contiguous_tilelang(a, a_scale, w1, s1, m_indices)
     up = grouped_contiguous_tilelang(a, a_scale, w3, s3, m_indices)
     return jnp.where(live[:, None], swiglu_f32(gate, up, limit), 0.0)

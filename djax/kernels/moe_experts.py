@@ -20,6 +20,7 @@ from djax.kernels.dispatch import interpreted, per_gpu, resolve
 from djax.kernels.fp8_gemm_ref import quantize_act
 from djax.kernels.fp8_gemm_triton import Fp8Config, fewest_splits
 from djax.kernels.grouped_gemm import GemmConfig, grouped_gemm, grouped_swiglu, reads_fp4
+from djax.kernels.rows import set_rows
 from djax.models.layers import takes_fp8_grouped
 from djax.quant import has_ue8m0_scales
 
@@ -262,7 +263,7 @@ def quantize_pick_rows(h, pos, ue8m0: bool):
     q, s = quantize_act(h[jnp.maximum(pos, 0)], ue8m0=ue8m0)
     zero_q, zero_s = quantize_act(jnp.zeros((1, f), h.dtype), ue8m0=ue8m0)  # a padding row's
     dest = jnp.where(pos >= 0, pos, m)  # a dropped pick: out of range, dropped by the scatter
-    hq = jnp.broadcast_to(zero_q, (m, f)).at[dest].set(q, mode="drop")
+    hq = set_rows(jnp.broadcast_to(zero_q, (m, f)), dest, q)  # fp8 rows as words: `rows`
     hs = jnp.broadcast_to(zero_s, (m, zero_s.shape[1])).at[dest].set(s, mode="drop")
     return hq, hs
 
