@@ -15,7 +15,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from djax.kernels import fp8_gemm, moe_layout_triton
+from djax.kernels import dispatch, fp8_gemm, moe_layout_triton
 from djax.kernels.dispatch import interpreted, per_gpu, resolve
 from djax.kernels.fp8_gemm_ref import quantize_act
 from djax.kernels.fp8_gemm_triton import Fp8Config, fewest_splits
@@ -43,6 +43,13 @@ FP8_PREFILL_CFG = GemmConfig(block_m=64, block_n=128, block_k=128, num_warps=4, 
 # `moe_experts_fp8(impl="tilelang")`'s layout: TileLang's grouped GEMMs take 128-row groups (only block_m is
 # read; the GEMMs take their own tiles)
 TILELANG_LAYOUT_CFG = GemmConfig(block_m=128, block_n=128, block_k=128, num_warps=8, num_stages=4)
+# From this many picks an expert (n * k / e) `moe_experts_fp8(impl="auto")` takes TileLang's grouped GEMMs
+# (`tilelang_takes`). H100, V4-Flash's experts (256 of 4,096 x 2,048, top-6) under bench_moe's skewed routing,
+# `ab_moe_fp8.py --prefill`, two alternating rounds (moe_fp8_prefill_h100_ab.json): 4,096 tokens (96 picks an
+# expert) 2,437.0-2,438.7 us against the Triton kernels' 2,742.5-2,762.1; 16,384 tokens (384) 7,325.2-7,368.7
+# against 9,386.0-9,394.2; 1,024 tokens (24) 1,214.9-1,215.2 against 1,057.9-1,058.6, so Triton below. Between
+# 24 and 96 not measured.
+TILELANG_MIN_PICKS_PER_EXPERT = 96
 
 
 class Layout(NamedTuple):
@@ -167,6 +174,22 @@ def swiglu_config(cfg: GemmConfig, n_picks: int, num_experts: int, n_out: int) -
     return replace(cfg, block_n=block_n)
 
 
+def tilelang_takes(x, n_picks: int, num_experts: int, f: int, cfg, swiglu_cfg) -> bool:
+    """Whether `moe_experts_fp8(impl="auto")` takes impl "tilelang": on CUDA with TileLang installed, no tiles
+    given, x bf16, x's width and the experts' hidden width f multiples of 128, and at least
+    `TILELANG_MIN_PICKS_PER_EXPERT` picks an expert (prefill)."""
+    return (
+        cfg is None
+        and swiglu_cfg is None
+        and x.dtype == jnp.bfloat16
+        and x.shape[1] % 128 == 0
+        and f % 128 == 0
+        and n_picks >= TILELANG_MIN_PICKS_PER_EXPERT * num_experts
+        and dispatch.on_cuda()
+        and dispatch.has_tilelang()
+    )
+
+
 def moe_experts_fp8(
     x,
     weights,
@@ -191,8 +214,8 @@ def moe_experts_fp8(
     impl "tilelang" (prefill; bf16 x, d and f multiples of 128): the picks in 128-row groups, gate and up as
     two TileLang grouped GEMMs with the SwiGLU in XLA (`fp8_gemm.swiglu_contiguous_tilelang`), the down
     projection TileLang's grouped GEMM too, each with its default tiles for the layout (the persistent kernel
-    where it takes it); cfg, if given, must have 128-row tiles, and swiglu_cfg none. Not what "auto" takes:
-    side by side with the Triton kernels at prefill it has not been measured yet (`ab_moe_fp8.py --prefill`).
+    where it takes it); cfg, if given, must have 128-row tiles, and swiglu_cfg none. "auto" takes it where
+    `tilelang_takes` says so (prefill: from `TILELANG_MIN_PICKS_PER_EXPERT` picks an expert), else Triton.
 
     Gate and up come out in x's dtype and the SwiGLU runs in float32 before its quantization, as in
     DeepSeek's inference (bf16 linear outputs, then the activation quantized)."""
@@ -203,6 +226,8 @@ def moe_experts_fp8(
             )
     n, d = x.shape
     e, k = w1.shape[0], idx.shape[1]
+    if impl == "auto" and tilelang_takes(x, n * k, e, w1.shape[1], cfg, swiglu_cfg):
+        impl = "tilelang"
     tilelang = impl == "tilelang"
     if tilelang and (cfg is not None and cfg.block_m != 128 or swiglu_cfg is not None):
         raise ValueError("impl 'tilelang' lays the picks out in 128-row groups and takes no swiglu_cfg")

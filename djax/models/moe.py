@@ -123,8 +123,8 @@ def experts_triton(x, weights, idx, w1, w2, w3, limit: float) -> jax.Array:
 def experts_fp8(x, weights, idx, w1, w2, w3, limit: float, impl: str = "auto") -> jax.Array:
     """FP8 experts in DeepGEMM's layout read as stored by the block-scaled grouped GEMMs
     (`djax.kernels.moe_experts.moe_experts_fp8`; impl as `grouped_contiguous`'s: "auto" the Triton kernels on
-    CUDA and the jnp spec elsewhere, "triton", "ref", "interpret", or "tilelang" for prefill: TileLang's
-    grouped GEMMs over 128-row groups), the activations
+    CUDA, TileLang's grouped GEMMs over 128-row groups from 96 picks an expert (prefill), the jnp spec
+    elsewhere; "triton", "ref", "interpret", or "tilelang"), the activations
     quantized 1x128 as in DeepSeek's inference. On the H200 at V4-Flash's expert shapes 22-138x faster than
     making the stack dense on use at decode and 4.9x at 4,096 tokens (bench_kernels' moe_fp8 section,
     kernels_h200_moe_fp8_fused_default.json)."""
@@ -135,7 +135,8 @@ def experts_fp8(x, weights, idx, w1, w2, w3, limit: float, impl: str = "auto") -
 
 def experts_grouped(x, weights, idx, w1, w2, w3, limit: float, fp8: str | None = None) -> jax.Array:
     """The fast path, chosen by the (static) shapes and the backend. On CUDA the Triton grouped GEMMs at
-    every size (for FP8 weights that `takes_fp8_grouped`, the FP8 ones: `experts_fp8`; FP4 experts with
+    every size (for FP8 weights that `takes_fp8_grouped`, the FP8 ones: `experts_fp8`, TileLang's grouped GEMMs
+    from 96 picks an expert; FP4 experts with
     UE8M0 scales, V4.1's, are read as stored by the bf16 ones, which decode each tile): they read each
     touched expert once, while XLA lowers `ragged_dot` densely there (every expert on every row) and the
     gather path writes a copy of every (token, choice)'s matrices (on the H200 it made a 32-row decode step
@@ -153,8 +154,8 @@ def experts_grouped(x, weights, idx, w1, w2, w3, limit: float, fp8: str | None =
     # Whole GEMM tiles only, and bf16: the kernels' tiles are sized for 2-byte operands (float32 ones need
     # more shared memory than an H200 block may have).
     if on_cuda() and has_triton() and d % 128 == 0 and f % 128 == 0 and x.dtype == jnp.bfloat16:
-        if fp8_weights:
-            return experts_fp8(x, weights, idx, w1, w2, w3, limit, "triton")
+        if fp8_weights:  # "auto": Triton's, or TileLang's GEMMs at prefill (`moe_experts.tilelang_takes`)
+            return experts_fp8(x, weights, idx, w1, w2, w3, limit, "auto")
         return experts_triton(x, weights, idx, w1, w2, w3, limit)
     if n * k <= e:
         return experts_gather(x, weights, idx, w1, w2, w3, limit)

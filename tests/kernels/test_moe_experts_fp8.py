@@ -287,6 +287,40 @@ def test_tilelang_prefill_path_wires_the_gemms_as_the_reference(monkeypatch, sca
     np.testing.assert_array_equal(fused, ref)
 
 
+def test_auto_takes_tilelang_from_the_prefill_picks(monkeypatch):
+    """impl "auto" on a CUDA GPU with TileLang (both faked here; the GEMM the reference stand-in, the layout
+    jnp's) takes the TileLang path from `TILELANG_MIN_PICKS_PER_EXPERT` picks an expert: its three GEMMs, the
+    same bits as impl "tilelang". Below that count, with tiles given, x not bf16, widths not multiples of 128,
+    or TileLang missing, it does not."""
+    from djax.kernels import dispatch, moe_experts
+
+    monkeypatch.setattr(dispatch, "on_cuda", lambda: True)
+    monkeypatch.setattr(dispatch, "has_tilelang", lambda: True)
+    calls = _tilelang_stand_in(monkeypatch)
+    real_layout = moe_experts.layout
+    monkeypatch.setattr(moe_experts, "layout", lambda idx, e, bm, impl="auto": real_layout(idx, e, bm, "ref"))
+    x, weights, idx, w1, w2, w3 = _inputs(42, 300, 256, 128, 6, 3)  # 150 picks an expert
+    x = x.astype(jnp.bfloat16)
+    got = moe_experts_fp8(x, weights, idx, w1, w2, w3, 1.5, impl="auto")
+    assert len(calls) == 3
+    want = moe_experts_fp8(x, weights, idx, w1, w2, w3, 1.5, impl="tilelang")
+    assert np.abs(np.asarray(want, np.float32)).max() > 0
+    np.testing.assert_array_equal(np.asarray(got, np.float32), np.asarray(want, np.float32))
+
+    def takes(x, picks, f=128, cfg=None, swiglu_cfg=None):
+        return moe_experts.tilelang_takes(x, picks, 6, f, cfg, swiglu_cfg)
+
+    least = moe_experts.TILELANG_MIN_PICKS_PER_EXPERT * 6
+    assert takes(x, least) and not takes(x, least - 1)
+    assert not takes(x.astype(jnp.float32), 900) and not takes(x[:, :192], 900) and not takes(x, 900, f=192)
+    assert not takes(x, 900, cfg=FP8_PREFILL_CFG) and not takes(x, 900, swiglu_cfg=FP8_PREFILL_CFG)
+    monkeypatch.setattr(dispatch, "has_tilelang", lambda: False)
+    assert not takes(x, 900)
+    monkeypatch.setattr(dispatch, "has_tilelang", lambda: True)
+    monkeypatch.setattr(dispatch, "on_cuda", lambda: False)
+    assert not takes(x, 900)
+
+
 def test_tilelang_prefill_path_refuses_what_it_does_not_take():
     """Tiles other than 128 rows, a fused kernel's tiles, x or a gate dtype other than bf16 fail at trace time."""
     x, weights, idx, w1, w2, w3 = _inputs(41, 8, 256, 128, 6, 3)
