@@ -17,11 +17,12 @@ largest kernels of each. Writes moe_fp8_ab.json (rewritten after every token cou
 touched experts' FP8 bytes over the time, as a fraction of the run's measured copy bandwidth.
 With `--prefill` the variants are the default (the Triton kernels over 64-row groups, as the model takes them),
 the same kernels over 128-row groups, and `impl="tilelang"` (128-row groups, gate and up as two TileLang
-grouped GEMMs and the SwiGLU in XLA, the down projection TileLang's too); the PNG shows the picks' FLOPs over
+grouped GEMMs, the down projection TileLang's too); the PNG shows the picks' FLOPs over
 the time as a fraction of FP8 peak. Writes moe_fp8_prefill_ab.json and its PNG.
-Either way a "fp8 rows moved as bytes (before)" variant traces the program with `rows.WORDS` off: the fp8 rows
-that XLA gathers and scatters (the down projection's quantized activations; TileLang's gathered token rows)
-moved element by element, as before they moved as 32-bit words. `--only a,b` keeps the default and the
+Either way the "activations quantized by XLA (before)" variants trace the program with `moe_experts.ROW_QUANT`
+off: the tokens' fp8 rows gathered into TileLang's layout, the SwiGLU's rows gathered, quantized and scattered by
+XLA, where one `row_quant` kernel each does it now; "..., fp8 rows as bytes" with `rows.WORDS` off too (XLA's fp8
+rows moved element by element, as before they moved as 32-bit words). `--only a,b` keeps the default and the
 variants whose names start with a or b.
 """
 
@@ -41,6 +42,10 @@ from ab_plot import save, side_by_side_args, timed_rounds  # noqa: E402
 D, F, E, K = 4096, 2048, 256, 6  # V4-Flash's routed experts
 LIMIT = 10.0  # the SwiGLU clamp, as bench_moe's
 IMPL = "triton"  # the kernels' impl ("interpret" runs this script's flow on a CPU at small sizes)
+# the activations gathered, quantized and scattered by XLA, as before `row_quant`'s kernel took them; and with
+# XLA's fp8 rows moved element by element, as before `rows` moved them as words
+XLA = "activations quantized by XLA (before)"
+XLA_BYTES = "activations quantized by XLA, fp8 rows as bytes (before)"
 RTOL = 2e-2  # the fused kernel rounds gate and up to bf16 where the reference's order differs (bench_moe: 1.4e-2)
 
 
@@ -54,17 +59,20 @@ def variants(n: int, prefill: bool = False) -> dict:
         rows128 = GemmConfig(block_m=128, block_n=128, block_k=128, num_warps=8, num_stages=4)
         return {
             "default": {},
-            "fp8 rows moved as bytes (before)": dict(words=False),
+            XLA: dict(row_quant=False),
+            XLA_BYTES: dict(row_quant=False, words=False),
             "triton 128-row groups": dict(cfg=rows128),
             "tilelang": dict(impl="tilelang"),
-            "tilelang, fp8 rows moved as bytes (before)": dict(impl="tilelang", words=False),
+            f"tilelang, {XLA}": dict(impl="tilelang", row_quant=False),
+            f"tilelang, {XLA_BYTES}": dict(impl="tilelang", row_quant=False, words=False),
         }
     base = fp8_config(n * K, E)
     fused = swiglu_config(base, n * K, E, F)
     out = {
         "default": {},
         "padding rows written (before)": dict(pad_rows=True),
-        "fp8 rows moved as bytes (before)": dict(words=False),
+        XLA: dict(row_quant=False),
+        XLA_BYTES: dict(row_quant=False, words=False),
     }
     for bk, stages in ((256, 4), (256, 3), (512, 2)):
         down = replace(base, block_k=bk, num_stages=stages)
@@ -77,19 +85,19 @@ def variants(n: int, prefill: bool = False) -> dict:
     return out
 
 
-def experts(*a, cfg=None, swiglu_cfg=None, pad_rows: bool = False, impl=None, words: bool = True):
-    """`moe_experts_fp8` with the fused kernel's PAD_ROWS and `rows.WORDS` (fp8 rows gathered and scattered
-    as words) set while it is traced (so compiled into its cubin and its XLA program); impl None: IMPL."""
+def experts(*a, cfg=None, swiglu_cfg=None, pad_rows=False, impl=None, words=True, row_quant=True):
+    """`moe_experts_fp8` with the fused kernel's PAD_ROWS, `rows.WORDS` (fp8 rows gathered and scattered as
+    words) and `moe_experts.ROW_QUANT` (the activations gathered and quantized by `row_quant`'s kernel) set
+    while it is traced (so compiled into its cubin and its XLA program); impl None: IMPL."""
     from djax.kernels import fp8_swiglu_triton as sk
-    from djax.kernels import rows
-    from djax.kernels.moe_experts import moe_experts_fp8
+    from djax.kernels import moe_experts, rows
 
-    before = sk.PAD_ROWS, rows.WORDS
-    sk.PAD_ROWS, rows.WORDS = pad_rows, words
+    before = sk.PAD_ROWS, rows.WORDS, moe_experts.ROW_QUANT
+    sk.PAD_ROWS, rows.WORDS, moe_experts.ROW_QUANT = pad_rows, words, row_quant
     try:
-        return moe_experts_fp8(*a, LIMIT, impl=impl or IMPL, cfg=cfg, swiglu_cfg=swiglu_cfg)
+        return moe_experts.moe_experts_fp8(*a, LIMIT, impl=impl or IMPL, cfg=cfg, swiglu_cfg=swiglu_cfg)
     finally:
-        sk.PAD_ROWS, rows.WORDS = before
+        sk.PAD_ROWS, rows.WORDS, moe_experts.ROW_QUANT = before
 
 
 def plot(result: dict, path: str) -> None:

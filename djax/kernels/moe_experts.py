@@ -15,7 +15,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from djax.kernels import dispatch, fp8_gemm, moe_layout_triton
+from djax.kernels import dispatch, fp8_gemm, moe_layout_triton, row_quant
 from djax.kernels.dispatch import interpreted, per_gpu, resolve
 from djax.kernels.fp8_gemm_ref import quantize_act
 from djax.kernels.fp8_gemm_triton import Fp8Config, fewest_splits
@@ -50,6 +50,11 @@ TILELANG_LAYOUT_CFG = GemmConfig(block_m=128, block_n=128, block_k=128, num_warp
 # against 9,386.0-9,394.2; 1,024 tokens (24) 1,214.9-1,215.2 against 1,057.9-1,058.6, so Triton below. Between
 # 24 and 96 not measured.
 TILELANG_MIN_PICKS_PER_EXPERT = 96
+# On the kernels' paths the activations the grouped GEMMs read are gathered and quantized by one Triton kernel
+# each (`row_quant`): the tokens into the 128-row groups (TileLang's path) and the SwiGLU output with its padding
+# rows as zeros (both paths; TileLang's takes the SwiGLU of gate and up in that kernel too). False: XLA's
+# gathers, quantizations and scatters, as before (the benchmarks set it while tracing the "before" variants).
+ROW_QUANT = True
 
 
 class Layout(NamedTuple):
@@ -211,11 +216,13 @@ def moe_experts_fp8(
     `grouped_contiguous` ("ref" the jnp spec); `swiglu_cfg` the fused kernel's tiles (block_m as cfg's), None
     for `swiglu_config`'s. Returns [n, d] in x's dtype.
 
-    impl "tilelang" (prefill; bf16 x, d and f multiples of 128): the picks in 128-row groups, gate and up as
-    two TileLang grouped GEMMs with the SwiGLU in XLA (`fp8_gemm.swiglu_contiguous_tilelang`), the down
-    projection TileLang's grouped GEMM too, each with its default tiles for the layout (the persistent kernel
-    where it takes it); cfg, if given, must have 128-row tiles, and swiglu_cfg none. "auto" takes it where
-    `tilelang_takes` says so (prefill: from `TILELANG_MIN_PICKS_PER_EXPERT` picks an expert), else Triton.
+    impl "tilelang" (prefill; bf16 x, d and f multiples of 128): the picks in 128-row groups, the token rows
+    quantized straight into them, gate and up as two TileLang grouped GEMMs, their SwiGLU quantized in the
+    layout (both quantizations `row_quant`'s kernel), the down projection TileLang's grouped GEMM too, each
+    with its default tiles for the layout (the persistent kernel where it takes it); cfg, if given, must have
+    128-row tiles, and swiglu_cfg none. "auto" takes it where `tilelang_takes` says so (prefill: from
+    `TILELANG_MIN_PICKS_PER_EXPERT` picks an expert), else Triton. On the Triton path too the down
+    projection's activations come from `row_quant`'s kernel, which reads only the picks' rows (`ROW_QUANT`).
 
     Gate and up come out in x's dtype and the SwiGLU runs in float32 before its quantization, as in
     DeepSeek's inference (bf16 linear outputs, then the activation quantized)."""
@@ -238,28 +245,76 @@ def moe_experts_fp8(
         raise ValueError(f"swiglu_cfg's block_m {swiglu_cfg.block_m} must be the layout's, {cfg.block_m}")
     lay = layout(idx, e, cfg.block_m, "auto" if tilelang else impl)
     dt = x.dtype
-    scale = lambda w: w.scale.astype(jnp.float32)  # noqa: E731
-    xq, xs = quantize_act(x, ue8m0=has_ue8m0_scales(w1))
-    h = fp8_gemm.grouped_swiglu_contiguous(
-        xq,
-        xs,
-        lay.rows,
-        w1.values,
-        scale(w1),
-        w3.values,
-        scale(w3),
-        lay.m_indices,
-        limit,
-        dt,
-        impl=impl,
-        cfg=None if tilelang else swiglu_cfg or swiglu_config(cfg, n * k, e, w1.shape[1]),
-    )
-    hq, hs = quantize_down_acts(h, lay, ue8m0=has_ue8m0_scales(w2))
+    ue8m0_in, ue8m0_down = has_ue8m0_scales(w1), has_ue8m0_scales(w2)
+    quant = row_quant_impl(impl, d, w1.shape[1])
+    if tilelang and quant is not None:
+        hq, hs = _tilelang_swiglu_quantized(x, lay, w1, w3, limit, ue8m0_in, ue8m0_down, quant)
+    else:
+        xq, xs = quantize_act(x, ue8m0=ue8m0_in)
+        h = fp8_gemm.grouped_swiglu_contiguous(
+            xq,
+            xs,
+            lay.rows,
+            w1.values,
+            _scale(w1),
+            w3.values,
+            _scale(w3),
+            lay.m_indices,
+            limit,
+            dt,
+            impl=impl,
+            cfg=None if tilelang else swiglu_cfg or swiglu_config(cfg, n * k, e, w1.shape[1]),
+        )
+        if quant is None:
+            hq, hs = quantize_down_acts(h, lay, ue8m0=ue8m0_down)
+        else:
+            hq, hs = row_quant.quantize_rows(h, pick_rows(lay), ue8m0_down, impl=quant, zero_rows=False)
     c = None if tilelang else fp8_split(cfg, n * k, e, *w2.shape[1:])
     y = fp8_gemm.grouped_contiguous(
-        hq, hs, w2.values, scale(w2), lay.m_indices, out_dtype=dt, impl=impl, cfg=c
+        hq, hs, w2.values, _scale(w2), lay.m_indices, out_dtype=dt, impl=impl, cfg=c
     )
     return _combine(y, lay, weights, n, k, d).astype(dt)
+
+
+def _scale(w):
+    return w.scale.astype(jnp.float32)
+
+
+def row_quant_impl(impl: str, d: int, f: int) -> str | None:
+    """`row_quant.quantize_rows`' impl on `moe_experts_fp8`'s path `impl`, or None where XLA's gathers and
+    quantizations run instead: impl "ref", "auto" off CUDA, widths d or f not multiples of 128, `ROW_QUANT`
+    off. "interpret" runs that kernel in Triton's interpreter too, every GPU path ("triton", "tilelang",
+    "auto" on CUDA) the kernel."""
+    if not ROW_QUANT or impl == "ref" or d % 128 or f % 128:
+        return None
+    if impl == "interpret":
+        return "interpret"
+    if impl in ("triton", "tilelang"):
+        return "triton"
+    return "triton" if dispatch.on_cuda() and dispatch.has_triton() else None  # "auto", as `resolve` takes it
+
+
+def pick_rows(lay: Layout) -> jax.Array:
+    """`quantize_rows`' source index for quantizing the layout's rows in place: each pick's row itself, -1 (a
+    zero row) for padding."""
+    m = lay.m_indices.shape[0]
+    return jnp.where(lay.m_indices >= 0, jnp.arange(m, dtype=jnp.int32), -1)
+
+
+def _tilelang_swiglu_quantized(x, lay: Layout, w1, w3, limit: float, ue8m0_in: bool, ue8m0_down: bool, quant):
+    """impl "tilelang"'s gate, up and SwiGLU, returning the down projection's quantized activations: the token
+    rows of x quantized straight into the layout's 128-row groups (padding rows zero), gate and up as two
+    TileLang grouped GEMMs in bf16, then their clamped SwiGLU quantized in the layout, padding rows zero, by
+    `row_quant` (impl `quant`). Neither the tokens' fp8 copy nor the float32 SwiGLU reaches memory."""
+    from djax.kernels import fp8_gemm_tilelang as tg
+
+    # padding rows: zeros, or left unwritten where a whole run of them is (the layout's tail of empty groups,
+    # whose tiles the GEMMs skip; inside a live tile a padding row's product is never read)
+    xq, xs = row_quant.quantize_rows(x, lay.rows, ue8m0_in, impl=quant, zero_rows=False)
+    gate = tg.grouped_contiguous_tilelang(xq, xs, w1.values, _scale(w1), lay.m_indices)
+    up = tg.grouped_contiguous_tilelang(xq, xs, w3.values, _scale(w3), lay.m_indices)
+    src = pick_rows(lay)
+    return row_quant.quantize_rows(gate, src, ue8m0_down, up=up, limit=limit, impl=quant, zero_rows=False)
 
 
 # From this many bytes of SwiGLU output the down projection's activations are quantized from the picks' rows

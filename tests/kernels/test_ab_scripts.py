@@ -212,8 +212,8 @@ def test_fp8_quant_gemm_pairs_run(tmp_path, monkeypatch):
 
 @needs_triton_interp
 def test_moe_fp8_variants_and_run(tmp_path, monkeypatch):
-    """ab_moe_fp8: the variants' K steps (both kernels, one of them, the stage counts) and the fused kernel as it
-    was, and the prefill variants; then runs on the CPU at small expert shapes through Triton's interpreter
+    """ab_moe_fp8: the variants' K steps (both kernels, one of them, the stage counts), the fused kernel and
+    the activations' quantization as they were, and the prefill variants; then runs on the CPU at small expert shapes through Triton's interpreter
     (decode, then --prefill with one Triton variant), each variant checked against the reference on the first
     tokens and timed, the JSON and, where matplotlib is installed, the PNG written."""
     import ab_moe_fp8 as ab
@@ -222,17 +222,18 @@ def test_moe_fp8_variants_and_run(tmp_path, monkeypatch):
     full = ab.variants
     v = full(64)
     assert v["default"] == {} and v["padding rows written (before)"] == dict(pad_rows=True)
-    assert v["fp8 rows moved as bytes (before)"] == dict(words=False)
+    assert v[ab.XLA] == dict(row_quant=False) and v[ab.XLA_BYTES] == dict(row_quant=False, words=False)
     tiles = {name: (kw["cfg"], kw["swiglu_cfg"]) for name, kw in v.items() if "cfg" in kw}
     steps = {name: (c.block_k, f.block_k, c.num_stages) for name, (c, f) in tiles.items()}
     assert steps["both bk256 st4"] == (256, 256, 4) and steps["both bk512 st2"] == (512, 512, 2)
     assert steps["gate/up bk256 st4"] == (128, 256, 4) and steps["down bk256 st4"] == (256, 128, 4)
-    assert len(v) == 9 and steps["both bk128 st6"] == (128, 128, 6)
+    assert len(v) == 10 and steps["both bk128 st6"] == (128, 128, 6)
     assert all(c.block_m == f.block_m == 16 for c, f in tiles.values())
     prefill = full(4096, prefill=True)
     assert prefill["default"] == {} and prefill["tilelang"] == dict(impl="tilelang")
-    assert prefill["triton 128-row groups"]["cfg"].block_m == 128 and len(prefill) == 5
-    assert prefill["tilelang, fp8 rows moved as bytes (before)"] == dict(impl="tilelang", words=False)
+    assert prefill["triton 128-row groups"]["cfg"].block_m == 128 and len(prefill) == 7
+    assert prefill[ab.XLA] == dict(row_quant=False)
+    assert prefill[f"tilelang, {ab.XLA_BYTES}"] == dict(impl="tilelang", row_quant=False, words=False)
     monkeypatch.setattr(ab, "D", 256)
     monkeypatch.setattr(ab, "F", 128)
     monkeypatch.setattr(ab, "E", 8)
@@ -253,9 +254,9 @@ def test_moe_fp8_variants_and_run(tmp_path, monkeypatch):
     assert row["kernels"] == {name: [{}] for name in kept}  # one round's kernels each (none on a CPU)
     assert (tmp_path / "moe_fp8_ab.png").exists() == (importlib.util.find_spec("matplotlib") is not None)
     # --prefill: the default and the variant --only names (TileLang's need a GPU), the FLOPs as the PNG's measure
-    kept = ("default", "fp8 rows moved as bytes (before)")
+    kept = ("default", ab.XLA)
     monkeypatch.setattr(ab, "variants", full)
-    argv = ["--prefill", "--tokens", "24", "--rounds", "1", "--out", str(tmp_path), "--only", "fp8 rows"]
+    argv = ["--prefill", "--tokens", "24", "--rounds", "1", "--out", str(tmp_path), "--only", ab.XLA]
     monkeypatch.setattr(sys, "argv", ["ab_moe_fp8.py", *argv])
     ab.main()
     res = json.loads((tmp_path / "moe_fp8_prefill_ab.json").read_text())

@@ -234,9 +234,9 @@ def test_refuses_weights_it_cannot_read(make):
 
 def _tilelang_stand_in(monkeypatch):
     """`grouped_contiguous_tilelang` replaced by its reference rounded to bf16, with NaN in every padding row
-    (the kernel leaves a skipped tile's rows unwritten and promises nothing for padding rows in a live tile);
-    returns the list of its calls' m_indices."""
-    from djax.kernels import fp8_gemm_tilelang
+    (the kernel leaves a skipped tile's rows unwritten and promises nothing for padding rows in a live tile),
+    and `row_quant`'s kernel by its reference; returns the list of its calls' m_indices."""
+    from djax.kernels import fp8_gemm_tilelang, moe_experts
     from djax.kernels.fp8_gemm_ref import grouped_contiguous_ref
 
     calls = []
@@ -248,19 +248,33 @@ def _tilelang_stand_in(monkeypatch):
         return jnp.where((m_indices < 0)[:, None], jnp.nan, out).astype(jnp.bfloat16)
 
     monkeypatch.setattr(fp8_gemm_tilelang, "grouped_contiguous_tilelang", stand_in)
+    # the row-quantizing kernel (`row_quant`) as its jnp reference wherever the path would launch it: its SwiGLU
+    # in the interpreter takes numpy's exp, which may round a value the other way (the kernel's own tests)
+    real = moe_experts.row_quant_impl
+    monkeypatch.setattr(moe_experts, "row_quant_impl", lambda *a: None if real(*a) is None else "ref")
     return calls
 
 
-@pytest.mark.parametrize("scale_fmt,pick_rows", [(None, False), ("ue8m0", True)])
-def test_tilelang_prefill_path_wires_the_gemms_as_the_reference(monkeypatch, scale_fmt, pick_rows):
+@pytest.mark.parametrize(
+    "scale_fmt,row_quant,pick_rows",
+    [
+        (None, True, False),
+        ("ue8m0", True, False),
+        (None, False, False),
+        ("ue8m0", False, True),
+    ],
+)
+def test_tilelang_prefill_path_wires_the_gemms_as_the_reference(monkeypatch, scale_fmt, row_quant, pick_rows):
     """`moe_experts_fp8(impl="tilelang")` with the TileLang GEMM replaced by its reference: the picks in
     128-row groups, gate, up and down through that GEMM (three calls over the same layout), the SwiGLU's
     padding rows zero (the stand-in leaves NaN in every padding row), picks dropped (ids outside [0, e)), and
-    the same result, bit for bit, as the jnp path in bf16 over its own layout; with UE8M0 weight scales, and
-    the down projection's activations quantized from the picks' rows (`pick_rows`) or from every row; the
-    fused form's own op likewise."""
+    the same result, bit for bit, as the jnp path in bf16 over its own layout; with UE8M0 weight scales. The
+    tokens' and the SwiGLU's quantization through `row_quant.quantize_rows` (its reference), or (`row_quant`
+    off) by XLA, the down projection's activations from the picks' rows (`pick_rows`) or from
+    every row; the fused form's own op likewise."""
     from djax.kernels import moe_experts
 
+    monkeypatch.setattr(moe_experts, "ROW_QUANT", row_quant)
     monkeypatch.setattr(moe_experts, "PICK_ROWS_MIN_BYTES", 0 if pick_rows else 1 << 40)
     calls = _tilelang_stand_in(monkeypatch)
     x, weights, idx, w1, w2, w3 = _inputs(40, 300, 256, 128, 6, 3, scale_fmt)
