@@ -47,14 +47,27 @@ TILELANG_LAYOUT_CFG = GemmConfig(block_m=128, block_n=128, block_k=128, num_warp
 # (`tilelang_takes`). H100, V4-Flash's experts (256 of 4,096 x 2,048, top-6) under bench_moe's skewed routing,
 # `ab_moe_fp8.py --prefill`, two alternating rounds (moe_fp8_prefill_h100_ab.json): 4,096 tokens (96 picks an
 # expert) 2,437.0-2,438.7 us against the Triton kernels' 2,742.5-2,762.1; 16,384 tokens (384) 7,325.2-7,368.7
-# against 9,386.0-9,394.2; 1,024 tokens (24) 1,214.9-1,215.2 against 1,057.9-1,058.6, so Triton below. Between
-# 24 and 96 not measured.
+# against 9,386.0-9,394.2; 1,024 tokens (24) 1,214.9-1,215.2 against 1,057.9-1,058.6, so Triton below. With the
+# activations quantized by `row_quant` on both paths (its kernel as first measured, every program computed; the
+# Triton path's from `ROW_QUANT_MIN_PICKS_PER_EXPERT`), two runs of two rounds
+# (moe_fp8_prefill_h100_row_quant_ab.json, _rerun_ab.json): 4,096 tokens TileLang 2,408.0-2,442.5 against
+# Triton's 2,525.1-2,546.4; 2,048 (48) 1,766.3-1,769.3 against 1,535.4-1,540.3; 1,024 1,437.0-1,450.6 against
+# 1,042.7-1,056.0.
 TILELANG_MIN_PICKS_PER_EXPERT = 96
 # On the kernels' paths the activations the grouped GEMMs read are gathered and quantized by one Triton kernel
 # each (`row_quant`): the tokens into the 128-row groups (TileLang's path) and the SwiGLU output with its padding
 # rows as zeros (both paths; TileLang's takes the SwiGLU of gate and up in that kernel too). False: XLA's
 # gathers, quantizations and scatters, as before (the benchmarks set it while tracing the "before" variants).
 ROW_QUANT = True
+# The Triton path quantizes the down projection's activations by that kernel from this many picks an expert
+# (n * k / e); below, XLA's forms (`quantize_down_acts`). H100, V4-Flash's experts under bench_moe's skewed
+# routing, `ab_moe_fp8.py`, alternating rounds, the kernel as first measured (it computed every program, live or
+# not): 4,096 tokens (96 an expert) 2,525.1-2,546.4 us against XLA's 2,650.6-2,684.0; 2,048 (48) 1,535.4-1,540.3
+# against 1,581.3-1,586.8; 1,024 (24) 1,042.7-1,056.0 against 1,042.2-1,051.2; at decode XLA's were faster, 32
+# tokens 321.1-321.8 against 331.4-332.6 and 128 tokens 511.1-511.8 against 515.7-516.9
+# (moe_fp8_prefill_h100_row_quant_ab.json, _rerun_ab.json, moe_fp8_decode_h100_row_quant_ab.json). So from 48,
+# the smallest count measured to win. TileLang's path (from `TILELANG_MIN_PICKS_PER_EXPERT`) always takes it.
+ROW_QUANT_MIN_PICKS_PER_EXPERT = 48
 
 
 class Layout(NamedTuple):
@@ -222,7 +235,7 @@ def moe_experts_fp8(
     with its default tiles for the layout (the persistent kernel where it takes it); cfg, if given, must have
     128-row tiles, and swiglu_cfg none. "auto" takes it where `tilelang_takes` says so (prefill: from
     `TILELANG_MIN_PICKS_PER_EXPERT` picks an expert), else Triton. On the Triton path too the down
-    projection's activations come from `row_quant`'s kernel, which reads only the picks' rows (`ROW_QUANT`).
+    projection's activations come from `row_quant`'s kernel at prefill (`ROW_QUANT_MIN_PICKS_PER_EXPERT`).
 
     Gate and up come out in x's dtype and the SwiGLU runs in float32 before its quantization, as in
     DeepSeek's inference (bf16 linear outputs, then the activation quantized)."""
@@ -265,7 +278,7 @@ def moe_experts_fp8(
             impl=impl,
             cfg=None if tilelang else swiglu_cfg or swiglu_config(cfg, n * k, e, w1.shape[1]),
         )
-        if quant is None:
+        if quant is None or n * k < ROW_QUANT_MIN_PICKS_PER_EXPERT * e:
             hq, hs = quantize_down_acts(h, lay, ue8m0=ue8m0_down)
         else:
             hq, hs = row_quant.quantize_rows(h, pick_rows(lay), ue8m0_down, impl=quant, zero_rows=False)

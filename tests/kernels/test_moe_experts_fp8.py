@@ -92,12 +92,23 @@ def test_ref_matches_numpy(n, limit, scale_fmt):
 
 
 @needs_triton_interp
-@pytest.mark.parametrize("n", [37, 1])
-def test_interpreted_matches_ref(n):
+@pytest.mark.parametrize("n,row_quant", [(37, False), (37, True), (1, True), (1, False)])
+def test_interpreted_matches_ref(n, row_quant, monkeypatch):
+    """The Triton kernels interpreted; the down projection's activations quantized by `row_quant`'s kernel
+    (its count of picks an expert lowered to 0 here) or, below that count as at these sizes, by XLA."""
+    from djax.kernels import moe_experts
+    from djax.kernels import row_quant as rq
+
+    if row_quant:
+        monkeypatch.setattr(moe_experts, "ROW_QUANT_MIN_PICKS_PER_EXPERT", 0)
+    calls = []
+    real = rq.quantize_rows
+    monkeypatch.setattr(rq, "quantize_rows", lambda *a, **kw: calls.append(kw["impl"]) or real(*a, **kw))
     args = _inputs(10 + n, n, 256, 128, 6, 3)
     cfg = GemmConfig(block_m=16, block_n=64, block_k=128, num_warps=4, num_stages=1)
     run = jax.jit(lambda *a, impl: moe_experts_fp8(*a, 1.5, impl=impl, cfg=cfg), static_argnames="impl")
     assert_close(run(*args, impl="interpret"), run(*args, impl="ref"), 1e-5)
+    assert calls == (["interpret"] if row_quant else [])
 
 
 @needs_triton_interp
