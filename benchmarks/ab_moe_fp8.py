@@ -4,6 +4,7 @@ prefill (`--prefill`) the Triton kernels against TileLang's grouped GEMMs.
 python benchmarks/ab_moe_fp8.py [--tokens 64,32,128,8] [--rounds 3] [--out DIR]   (CUDA GPU)
 python benchmarks/ab_moe_fp8.py --prefill [--tokens 4096,1024,16384] [--out DIR]  (CUDA GPU, tilelang)
 python benchmarks/ab_moe_fp8.py --plot DIR/moe_fp8_ab.json                         (only the PNG)
+(--ue8m0: the weights' scales powers of two, as V4's checkpoints, so the activations' too; `_ue8m0` on the names)
 
 V4-Flash's routed experts (256 of 4,096 x 2,048, top-6, FP8 with 128 x 128 scales) under `bench_moe`'s skewed
 routing, `moe_experts_fp8` with its tiles as the model gets them ("default": 16-row tiles, the fused gate/up
@@ -130,6 +131,11 @@ def main():
     p.add_argument(
         "--only", default="", help="comma-separated starts of the variant names to keep (and the default)"
     )
+    p.add_argument(
+        "--ue8m0",
+        action="store_true",
+        help="weights with UE8M0 (power-of-two) scales, as V4's checkpoints: the activations quantized likewise",
+    )
     args = side_by_side_args(p, 3, plot)
     if args is None:
         return
@@ -144,7 +150,7 @@ def main():
     os.makedirs(args.out, exist_ok=True)
     copy_bw, _ = measure_ceilings()
     res = dict(device=jax.devices()[0].device_kind, date=time.strftime("%Y-%m-%d %H:%M:%S"), copy_bw=copy_bw)
-    res["prefill"] = args.prefill
+    res["prefill"], res["ue8m0"] = args.prefill, args.ue8m0
     res["rows"] = []
     print("copy", copy_bw / 1e12, "TB/s", flush=True)
     qs = []
@@ -152,7 +158,7 @@ def main():
         w = (jax.random.normal(jax.random.key(i), shape, jnp.bfloat16) * shape[2] ** -0.5).astype(
             jnp.bfloat16
         )
-        qs.append(jax.block_until_ready(quantize(w)))
+        qs.append(jax.block_until_ready(quantize(w, scale_fmt="ue8m0" if args.ue8m0 else None)))
         del w
     per_expert = sum(q.nbytes for q in qs) // E
     ref_first, first = first_tokens_check(moe_experts_fp8)
@@ -180,7 +186,8 @@ def main():
         share = (row["flops"], FP8_PEAK, "FP8 peak") if args.prefill else (row["bytes"], copy_bw, "copy")
         row["rounds"] += timed_rounds(timed, args.rounds, (n,), share, row["kernels"])
         res["rows"].append(row)
-        save(res, args.out, "moe_fp8_prefill_ab" if args.prefill else "moe_fp8_ab", plot)
+        stem = ("moe_fp8_prefill_ab" if args.prefill else "moe_fp8_ab") + ("_ue8m0" if args.ue8m0 else "")
+        save(res, args.out, stem, plot)
 
 
 if __name__ == "__main__":

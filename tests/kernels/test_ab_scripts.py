@@ -256,10 +256,22 @@ def test_moe_fp8_variants_and_run(tmp_path, monkeypatch):
     # --prefill: the default and the variant --only names (TileLang's need a GPU), the FLOPs as the PNG's measure
     kept = ("default", ab.XLA)
     monkeypatch.setattr(ab, "variants", full)
-    argv = ["--prefill", "--tokens", "24", "--rounds", "1", "--out", str(tmp_path), "--only", ab.XLA]
+    argv = [
+        "--prefill",
+        "--tokens",
+        "24",
+        "--rounds",
+        "1",
+        "--out",
+        str(tmp_path),
+        "--only",
+        ab.XLA,
+        "--ue8m0",
+    ]
     monkeypatch.setattr(sys, "argv", ["ab_moe_fp8.py", *argv])
     ab.main()
-    res = json.loads((tmp_path / "moe_fp8_prefill_ab.json").read_text())
+    res = json.loads((tmp_path / "moe_fp8_prefill_ab_ue8m0.json").read_text())
+    assert res["ue8m0"]
     (row,) = res["rows"]
     assert res["prefill"] and row["tokens"] == 24 and row["flops"] == 2 * 24 * 2 * 3 * 256 * 128
     assert set(row["rounds"][0]) == set(kept) and all(e <= ab.RTOL for e in row["rel_err"].values())
