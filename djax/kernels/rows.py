@@ -4,8 +4,12 @@ XLA's GPU gather and scatter index every element they move: rows of one-byte fp8
 quarter of the elements, and the prefill MoE layouts move hundreds of megabytes of them (V4-Flash at 4,096
 tokens: 57,088 padded rows of 4,096 fp8 activations, which an H100 gathered element-wise in 278 us). The word
 view is a bitcast, so the bits moved are the same either way; rows whose bytes are not a multiple of four move
-as elements. What the words save on a GPU is not measured yet: `ab_moe_fp8.py`'s "fp8 rows moved as bytes
-(before)" variants time the element-wise form beside them."""
+as elements. On an H100 (`ab_moe_fp8.py --prefill`, moe_fp8_prefill_h100_row_quant_ab.json, kernels/NOTES.md)
+the words took V4-Flash's 4,096-token gather in 96.1 us and the down projection's scatter in 37.5 where the
+bytes took 277.9 and 267.2, and the Triton path's experts 2,650.6-2,684.0 us against 2,743.2-2,777.6; on
+TileLang's path XLA fused the rest differently and the words were slower (2,589.3-2,600.9 against
+2,427.2-2,436.1). The GPU paths now quantize and move those rows in one kernel (`row_quant`); the words
+serve XLA's forms."""
 
 from __future__ import annotations
 
