@@ -55,8 +55,9 @@ TILELANG_LAYOUT_CFG = GemmConfig(block_m=128, block_n=128, block_k=128, num_warp
 # 1,042.7-1,056.0.
 TILELANG_MIN_PICKS_PER_EXPERT = 96
 # On the kernels' paths the activations the grouped GEMMs read are gathered and quantized by one Triton kernel
-# each (`row_quant`): the tokens into the 128-row groups (TileLang's path) and the SwiGLU output with its padding
-# rows as zeros (both paths; TileLang's takes the SwiGLU of gate and up in that kernel too). False: XLA's
+# each (`row_quant`): the tokens into the 128-row groups (TileLang's path) and the SwiGLU output (both paths;
+# TileLang's takes the SwiGLU of gate and up in that kernel too), padding rows zeros or, in runs with no pick,
+# left unwritten (nothing reads them: the GEMMs skip those tiles). False: XLA's
 # gathers, quantizations and scatters, as before (the benchmarks set it while tracing the "before" variants).
 ROW_QUANT = True
 # The Triton path quantizes the down projection's activations by that kernel from this many picks an expert
@@ -316,9 +317,9 @@ def pick_rows(lay: Layout) -> jax.Array:
 
 def _tilelang_swiglu_quantized(x, lay: Layout, w1, w3, limit: float, ue8m0_in: bool, ue8m0_down: bool, quant):
     """impl "tilelang"'s gate, up and SwiGLU, returning the down projection's quantized activations: the token
-    rows of x quantized straight into the layout's 128-row groups (padding rows zero), gate and up as two
-    TileLang grouped GEMMs in bf16, then their clamped SwiGLU quantized in the layout, padding rows zero, by
-    `row_quant` (impl `quant`). Neither the tokens' fp8 copy nor the float32 SwiGLU reaches memory."""
+    rows of x quantized straight into the layout's 128-row groups, gate and up as two TileLang grouped GEMMs in
+    bf16, then their clamped SwiGLU quantized in the layout, each by `row_quant` (impl `quant`). Neither the
+    tokens' fp8 copy nor the float32 SwiGLU reaches memory."""
     from djax.kernels import fp8_gemm_tilelang as tg
 
     # padding rows: zeros, or left unwritten where a whole run of them is (the layout's tail of empty groups,
