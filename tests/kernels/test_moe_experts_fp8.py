@@ -346,6 +346,23 @@ def test_auto_takes_tilelang_from_the_prefill_picks(monkeypatch):
     assert not takes(x, 900)
 
 
+def test_row_quant_impl_follows_the_path(monkeypatch):
+    """Which `row_quant` impl each `moe_experts_fp8` path takes: none for the reference, off CUDA under "auto",
+    for widths not multiples of 128, or with `ROW_QUANT` off; the interpreter for "interpret"; the kernel on
+    every GPU path."""
+    from djax.kernels import dispatch, moe_experts
+
+    rule = moe_experts.row_quant_impl
+    assert rule("ref", 256, 128) is None and rule("auto", 256, 128) is None  # (no CUDA here)
+    assert rule("interpret", 256, 128) == "interpret"
+    assert rule("triton", 256, 128) == rule("tilelang", 256, 128) == "triton"
+    assert rule("triton", 200, 128) is None and rule("triton", 256, 192) is None
+    monkeypatch.setattr(dispatch, "on_cuda", lambda: True)
+    assert rule("auto", 256, 128) == "triton"
+    monkeypatch.setattr(moe_experts, "ROW_QUANT", False)
+    assert rule("auto", 256, 128) is None and rule("interpret", 256, 128) is None
+
+
 def test_tilelang_prefill_path_refuses_what_it_does_not_take():
     """Tiles other than 128 rows, a fused kernel's tiles, x or a gate dtype other than bf16 fail at trace time."""
     x, weights, idx, w1, w2, w3 = _inputs(41, 8, 256, 128, 6, 3)
