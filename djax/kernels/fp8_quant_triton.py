@@ -128,6 +128,21 @@ def _pow2_inverse(s):
 
 
 @triton.jit
+def quantize_block(a, UE8M0: tl.constexpr):
+    """`fp8_gemm_ref.quantize_act` of a float32 [rows, 128] block: each row's scale and a / scale, not yet
+    rounded to e4m3 (the caller casts, or `_round_e4m3`s in the interpreter). amax times float32(1 / 448), and an
+    IEEE division; UE8M0: a power of two (amax floored at 1e-4), so dividing is multiplying by its exact inverse."""
+    amax = tl.max(tl.abs(a), axis=1)
+    if UE8M0:
+        s = _pow2_ceil(tl.maximum(amax, 1e-4) * (1.0 / 448.0))
+        q = a * _pow2_inverse(s)[:, None]
+    else:
+        s = tl.maximum(amax, 1e-12) * (1.0 / 448.0)
+        q = tl.math.div_rn(a, s[:, None])
+    return q, s
+
+
+@triton.jit
 def _quant_gemm_program(
     a_ptr,
     b_ptr,  # the weight this program reads
@@ -174,14 +189,7 @@ def _quant_gemm_program(
         a = tl.load(a_ptrs, mask=m_ok[:, None] & k_ok[None, :], other=1.0).to(tl.float32)
         b = tl.load(b_ptrs, mask=k_ok[None, :], other=0.0)
         sb_next = tl.load(bs_ptrs + tl.minimum(kb0 + i + 1, KB - 1))
-        # quantize_act: one scale per row and 128 columns
-        amax = tl.max(tl.abs(a), axis=1)
-        if UE8M0:  # a power of two: dividing is multiplying by its exact inverse
-            sa = _pow2_ceil(tl.maximum(amax, 1e-4) * (1.0 / 448.0))
-            q = a * _pow2_inverse(sa)[:, None]
-        else:
-            sa = tl.maximum(amax, 1e-12) * (1.0 / 448.0)
-            q = tl.math.div_rn(a, sa[:, None])
+        q, sa = quantize_block(a, UE8M0)  # quantize_act: one scale per row and 128 columns
         if BITS:  # float32 operands (b's e4m3 values are exact in float32)
             q, b = _round_e4m3(q), b.to(tl.float32)
         else:

@@ -6,12 +6,12 @@ quantized, then their fp8 rows gathered into the 128-row groups of the expert-co
 up written in float32, its picks' rows gathered, quantized, and scattered into a buffer of zero rows. Here each
 program reads its rows once through the index (a zero row where the index is out of range: the layout's
 padding; with ZERO_ROWS off a program none of whose rows is in range writes nothing, for the static layout's
-tail of empty groups, which no GEMM tile reads), optionally takes the clamped SwiGLU of two inputs (gate and up), and writes the fp8 values and the
-float32 scales of one 128-column block; nothing in between reaches memory.
+tail of empty groups, which no GEMM tile reads), optionally takes the clamped SwiGLU of two inputs (gate and
+up), and writes the fp8 values and the float32 scales of one 128-column block; nothing in between reaches
+memory.
 
-The scale is `fp8_gemm_ref.quantize_act`'s: amax / 448 taken as amax times float32(1 / 448), floored at 1e-12,
-and the division by IEEE rules (div_rn); with UE8M0, amax floored at 1e-4, rounded up to a power of two and the
-division a multiplication by its exact inverse. Rounding to e4m3: the GPU's conversion ("cast") or, in Triton's
+The scale and quotient are `fp8_gemm_ref.quantize_act`'s (`fp8_quant_triton.quantize_block`, which the
+quantizing GEMM's prologue takes too). Rounding to e4m3: the GPU's conversion ("cast") or, in Triton's
 CPU interpreter, the same rounding in float32 arithmetic ("bits", `fp8_quant_triton._round_e4m3`), the output
 then being a float32 stand-in holding e4m3 values."""
 
@@ -20,7 +20,7 @@ from __future__ import annotations
 import triton
 import triton.language as tl
 
-from djax.kernels.fp8_quant_triton import ROUNDINGS, _pow2_ceil, _pow2_inverse, _round_e4m3
+from djax.kernels.fp8_quant_triton import ROUNDINGS, _round_e4m3, quantize_block
 
 BLOCK_ROWS = 64  # rows a program quantizes (one 128-column block of each): 16 KB of bf16 read
 NUM_WARPS = 4
@@ -62,13 +62,7 @@ def quantize_rows_kernel(
                 x = tl.minimum(x, LIMIT)
                 up = tl.minimum(tl.maximum(up, -LIMIT), LIMIT)
             x = x * tl.sigmoid(x) * up  # zero rows stay zero
-        amax = tl.max(tl.abs(x), axis=1)
-        if UE8M0:
-            s = _pow2_ceil(tl.maximum(amax, 1e-4) * (1.0 / 448.0))
-            q = x * _pow2_inverse(s)[:, None]
-        else:
-            s = tl.maximum(amax, 1e-12) * (1.0 / 448.0)
-            q = tl.math.div_rn(x, s[:, None])
+        q, s = quantize_block(x, UE8M0)
         if BITS:
             q = _round_e4m3(q)
         q_ptrs = q_ptr + rr.to(tl.int64)[:, None] * N + rc[None, :]
