@@ -279,10 +279,8 @@ def moe_experts_fp8(
             impl=impl,
             cfg=None if tilelang else swiglu_cfg or swiglu_config(cfg, n * k, e, w1.shape[1]),
         )
-        if quant is None or n * k < ROW_QUANT_MIN_PICKS_PER_EXPERT * e:
-            hq, hs = quantize_down_acts(h, lay, ue8m0=ue8m0_down)
-        else:
-            hq, hs = row_quant.quantize_rows(h, pick_rows(lay), ue8m0_down, impl=quant, zero_rows=False)
+        kernel = quant if n * k >= ROW_QUANT_MIN_PICKS_PER_EXPERT * e else None
+        hq, hs = quantize_down_acts(h, lay, ue8m0_down, kernel)
     c = None if tilelang else fp8_split(cfg, n * k, e, *w2.shape[1:])
     y = fp8_gemm.grouped_contiguous(
         hq, hs, w2.values, _scale(w2), lay.m_indices, out_dtype=dt, impl=impl, cfg=c
@@ -339,10 +337,14 @@ def _tilelang_swiglu_quantized(x, lay: Layout, w1, w3, limit: float, ue8m0_in: b
 PICK_ROWS_MIN_BYTES = 4 << 20
 
 
-def quantize_down_acts(h, lay: Layout, ue8m0: bool):
+def quantize_down_acts(h, lay: Layout, ue8m0: bool, kernel: str | None = None):
     """`quantize_act` of the SwiGLU output h float32[m_pad, f] with its padding rows taken as zeros: what the
     down projection reads. Padding rows must be zeros: a skipped tile leaves its rows unwritten (any bits, nan
-    included). The two ways give the same bits; h's size chooses between them (`PICK_ROWS_MIN_BYTES`)."""
+    included). kernel: `row_quant`'s impl, one kernel that reads only the picks' rows (runs of padding rows with
+    no pick, which no tile reads, it may leave unwritten); None: XLA's two ways, which give the same bits, h's
+    size choosing between them (`PICK_ROWS_MIN_BYTES`)."""
+    if kernel is not None:
+        return row_quant.quantize_rows(h, pick_rows(lay), ue8m0, impl=kernel, zero_rows=False)
     if h.size * h.dtype.itemsize >= PICK_ROWS_MIN_BYTES:
         return quantize_pick_rows(h, lay.pos, ue8m0)
     return quantize_padded_rows(h, lay.m_indices, ue8m0)

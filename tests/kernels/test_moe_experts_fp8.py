@@ -149,6 +149,33 @@ def test_quantize_pick_rows_equals_every_row_quantized(impl, n, e, block_m, ue8m
     assert np.isfinite(np.asarray(fast[0], np.float32)).all() and (np.asarray(fast[1])[~pad] > 0).all()
 
 
+@needs_triton_interp
+@pytest.mark.parametrize("ue8m0", [False, True])
+def test_quantize_down_acts_by_the_kernel_equals_every_row_quantized(ue8m0):
+    """`quantize_down_acts` with `row_quant`'s kernel (interpreted): the bits of quantizing every padded row
+    (padding zeroed; nan and huge values in it) on every row it writes; the rows it leaves unwritten (nan here)
+    are whole runs of the kernel's BLOCK_ROWS padding rows, which no tile reads."""
+    from djax.kernels.row_quant_triton import BLOCK_ROWS
+
+    rng = np.random.default_rng(7)
+    idx = np.stack([rng.choice(8, 6, replace=False) for _ in range(40)]).astype(np.int32)
+    idx[0, 2] = -1  # dropped
+    lay = layout(jnp.asarray(idx), 8, 64, "ref")
+    m_pad, f = lay.m_indices.shape[0], 256
+    h = rng.standard_normal((m_pad, f)) * rng.uniform(0.01, 30, (m_pad, 1))
+    pad = np.asarray(lay.m_indices) < 0
+    h[pad] = np.where(rng.random((pad.sum(), f)) < 0.5, np.nan, 3e38).astype(np.float32)
+    h = jnp.asarray(h, jnp.float32)
+    q, s = jax.jit(quantize_down_acts, static_argnums=(2, 3))(h, lay, ue8m0, "interpret")
+    want_q, want_s = quantize_padded_rows(h, lay.m_indices, ue8m0)
+    q, s = np.asarray(q, np.float32), np.asarray(s)
+    skipped = np.isnan(s[:, 0])
+    runs = pad.reshape(-1, BLOCK_ROWS).all(1)  # m_pad is a multiple of the layout's 64 rows
+    assert skipped.any() and (skipped == np.repeat(runs, BLOCK_ROWS)).all()
+    np.testing.assert_array_equal(np.asarray(want_q, np.float32)[~skipped], q[~skipped])
+    np.testing.assert_array_equal(np.asarray(want_s)[~skipped], s[~skipped])
+
+
 @pytest.mark.parametrize("tokens,scatter", [(1, False), (5, False), (6, True), (32, True)])
 def test_quantize_down_acts_reads_the_picks_rows_from_its_size(tokens, scatter):
     """V4-Flash's experts (256, 6 picks a token, 2,048 columns, 16-row tiles): from 6 tokens (576 padded rows,
