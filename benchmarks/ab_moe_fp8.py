@@ -47,18 +47,21 @@ IMPL = "triton"  # the kernels' impl ("interpret" runs this script's flow on a C
 # XLA's fp8 rows moved element by element, as before `rows` moved them as words
 XLA = "activations quantized by XLA (before)"
 XLA_BYTES = "activations quantized by XLA, fp8 rows as bytes (before)"
+# `row_quant`'s plain-scale quotient by one reciprocal a row and two fmas (`row_quant.MARKSTEIN`), the same bits
+MARKSTEIN = "row_quant's quotient by Markstein's fmas"
 RTOL = 2e-2  # the fused kernel rounds gate and up to bf16 where the reference's order differs (bench_moe: 1.4e-2)
 
 
-def variants(n: int, prefill: bool = False) -> dict:
+def variants(n: int, prefill: bool = False, ue8m0: bool = False) -> dict:
     """name -> `experts`' keywords at n tokens: decode, the kernels' tiles (cfg, swiglu_cfg) and the fused
-    kernel's PAD_ROWS; prefill, the layout's tiles or the TileLang path."""
+    kernel's PAD_ROWS; prefill, the layout's tiles or the TileLang path. The Markstein variants only with plain
+    scales (UE8M0 ones divide by multiplying)."""
     from djax.kernels.grouped_gemm import GemmConfig
     from djax.kernels.moe_experts import fp8_config, swiglu_config
 
     if prefill:
         rows128 = GemmConfig(block_m=128, block_n=128, block_k=128, num_warps=8, num_stages=4)
-        return {
+        out = {
             "default": {},
             XLA: dict(row_quant=False),
             XLA_BYTES: dict(row_quant=False, words=False),
@@ -67,6 +70,10 @@ def variants(n: int, prefill: bool = False) -> dict:
             f"tilelang, {XLA}": dict(impl="tilelang", row_quant=False),
             f"tilelang, {XLA_BYTES}": dict(impl="tilelang", row_quant=False, words=False),
         }
+        if not ue8m0:
+            out[MARKSTEIN] = dict(markstein=True)
+            out[f"tilelang, {MARKSTEIN}"] = dict(impl="tilelang", markstein=True)
+        return out
     base = fp8_config(n * K, E)
     fused = swiglu_config(base, n * K, E, F)
     out = {
@@ -75,6 +82,8 @@ def variants(n: int, prefill: bool = False) -> dict:
         XLA: dict(row_quant=False),
         XLA_BYTES: dict(row_quant=False, words=False),
     }
+    if not ue8m0:
+        out[MARKSTEIN] = dict(markstein=True)
     for bk, stages in ((256, 4), (256, 3), (512, 2)):
         down = replace(base, block_k=bk, num_stages=stages)
         gate_up = replace(fused, block_k=bk, num_stages=stages)
@@ -86,19 +95,23 @@ def variants(n: int, prefill: bool = False) -> dict:
     return out
 
 
-def experts(*a, cfg=None, swiglu_cfg=None, pad_rows=False, impl=None, words=True, row_quant=True):
+def experts(
+    *a, cfg=None, swiglu_cfg=None, pad_rows=False, impl=None, words=True, row_quant=True, markstein=False
+):
     """`moe_experts_fp8` with the fused kernel's PAD_ROWS, `rows.WORDS` (fp8 rows gathered and scattered as
-    words) and `moe_experts.ROW_QUANT` (the activations gathered and quantized by `row_quant`'s kernel) set
-    while it is traced (so compiled into its cubin and its XLA program); impl None: IMPL."""
+    words), `moe_experts.ROW_QUANT` (the activations gathered and quantized by `row_quant`'s kernel) and
+    `row_quant.MARKSTEIN` set while it is traced (so compiled into its cubin and its XLA program); impl None:
+    IMPL."""
     from djax.kernels import fp8_swiglu_triton as sk
     from djax.kernels import moe_experts, rows
+    from djax.kernels import row_quant as rq
 
-    before = sk.PAD_ROWS, rows.WORDS, moe_experts.ROW_QUANT
-    sk.PAD_ROWS, rows.WORDS, moe_experts.ROW_QUANT = pad_rows, words, row_quant
+    before = sk.PAD_ROWS, rows.WORDS, moe_experts.ROW_QUANT, rq.MARKSTEIN
+    sk.PAD_ROWS, rows.WORDS, moe_experts.ROW_QUANT, rq.MARKSTEIN = pad_rows, words, row_quant, markstein
     try:
         return moe_experts.moe_experts_fp8(*a, LIMIT, impl=impl or IMPL, cfg=cfg, swiglu_cfg=swiglu_cfg)
     finally:
-        sk.PAD_ROWS, rows.WORDS, moe_experts.ROW_QUANT = before
+        sk.PAD_ROWS, rows.WORDS, moe_experts.ROW_QUANT, rq.MARKSTEIN = before
 
 
 def plot(result: dict, path: str) -> None:
@@ -169,7 +182,7 @@ def main():
         row["flops"] = 2 * n * K * 3 * D * F
         fns = {}
         keep = [part for part in args.only.split(",") if part]
-        for name, kw in variants(n, args.prefill).items():
+        for name, kw in variants(n, args.prefill, args.ue8m0).items():
             if keep and name != "default" and not name.startswith(tuple(keep)):
                 continue
             fn = functools.partial(experts, **kw)

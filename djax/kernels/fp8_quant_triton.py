@@ -105,11 +105,14 @@ def quant_config(m: int, n: int, k: int) -> QuantConfig:
 def _round_e4m3(v):
     """float32 v (|v| <= 448) rounded to the nearest e4m3fn value, ties to even, in float32 arithmetic: the
     interpreter's twin of the fp8 conversion. e4m3 values near v are 2^(e - 3) apart for v's binary exponent
-    e, and 2^-9 apart among the subnormals (e floored at -6)."""
-    e = tl.maximum(((v.to(tl.int32, bitcast=True) >> 23) & 255) - 127, -6)
+    e, and 2^-9 apart among the subnormals (e floored at -6). The sign is v's, zeros included, as the
+    conversion keeps it (-1e-5 gives -0)."""
+    bits = v.to(tl.int32, bitcast=True)
+    e = tl.maximum(((bits >> 23) & 255) - 127, -6)
     step = ((e + 124) << 23).to(tl.float32, bitcast=True)  # 2^(e - 3)
-    y = v / step  # exact: a power of two
-    return ((y + 12582912.0) - 12582912.0) * step  # 1.5 * 2^23: |y| < 16 rounds to an integer, ties to even
+    y = tl.abs(v) / step  # exact: a power of two
+    r = ((y + 12582912.0) - 12582912.0) * step  # 1.5 * 2^23: y < 16 rounds to an integer, ties to even
+    return (r.to(tl.int32, bitcast=True) | ((bits >> 31) << 31)).to(tl.float32, bitcast=True)
 
 
 @triton.jit
@@ -128,18 +131,36 @@ def _pow2_inverse(s):
 
 
 @triton.jit
-def quantize_block(a, UE8M0: tl.constexpr):
+def quantize_block(a, UE8M0: tl.constexpr, MARKSTEIN: tl.constexpr = False):
     """`fp8_gemm_ref.quantize_act` of a float32 [rows, 128] block: each row's scale and a / scale, not yet
     rounded to e4m3 (the caller casts, or `_round_e4m3`s in the interpreter). amax times float32(1 / 448), and an
-    IEEE division; UE8M0: a power of two (amax floored at 1e-4), so dividing is multiplying by its exact inverse."""
+    IEEE division; UE8M0: a power of two (amax floored at 1e-4), so dividing is multiplying by its exact inverse.
+    MARKSTEIN: the same quotient from one correctly rounded reciprocal a row (`_markstein_div`)."""
     amax = tl.max(tl.abs(a), axis=1)
     if UE8M0:
         s = _pow2_ceil(tl.maximum(amax, 1e-4) * (1.0 / 448.0))
         q = a * _pow2_inverse(s)[:, None]
     else:
         s = tl.maximum(amax, 1e-12) * (1.0 / 448.0)
-        q = tl.math.div_rn(a, s[:, None])
+        if MARKSTEIN:
+            q = _markstein_div(a, s)
+        else:
+            q = tl.math.div_rn(a, s[:, None])
     return q, s
+
+
+@triton.jit
+def _markstein_div(a, s):
+    """a / s[:, None] correctly rounded, as the IEEE division, with one division a row instead of one an element:
+    y = RN(1 / s); q0 = RN(a * y); the residual a - q0 * s is exact in one fma, and RN(q0 + residual * y) is the
+    rounded quotient (Markstein's theorem, for a correctly rounded reciprocal and a normal quotient: s is a
+    positive normal >= 1e-12 / 448 and |a / s| <= 448; a quotient below float32's normals rounds to an e4m3 zero
+    either way). Where q0 is zero (a is zero or tiny, or s infinite and the residual NaN) q0 is the answer, with
+    the quotient's sign."""
+    y = tl.math.div_rn(tl.full(s.shape, 1.0, tl.float32), s)[:, None]
+    q0 = a * y
+    q = tl.fma(tl.fma(-q0, s[:, None], a), y, q0)
+    return tl.where(q0 == 0.0, q0, q)
 
 
 @triton.jit

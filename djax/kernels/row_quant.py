@@ -14,6 +14,9 @@ from djax.kernels.fp8_gemm_ref import quantize_act, scale_blocks
 from djax.kernels.grouped_gemm_ref import swiglu_f32
 
 IMPLS = ("ref", "triton", "interpret")
+# the kernel's plain-scale quotient by one reciprocal a row and two fmas (`fp8_quant_triton._markstein_div`, the
+# same bits) instead of an IEEE division an element; read when a call is traced
+MARKSTEIN = False
 
 
 def _check(x, src, up):
@@ -59,13 +62,15 @@ def quantize_rows(
 
     m = src.shape[0]
     rounding = "bits" if impl == "interpret" else "cast"
-    cx = rk.constexprs(m, n, x.shape[0], up is not None, limit, ue8m0, rounding, zero_rows)  # checks n
+    cx = rk.constexprs(
+        m, n, x.shape[0], up is not None, limit, ue8m0, rounding, zero_rows, MARKSTEIN
+    )  # checks n
     src = src.astype(jnp.int32)
     s_out = jax.ShapeDtypeStruct((m, scale_blocks(n)), jnp.float32)
     if impl == "interpret":
         out = (jax.ShapeDtypeStruct((m, n), jnp.float32), s_out)
         args = (x, src) if up is None else (x, src, up)
-        host = lambda *h: _host(ue8m0, limit, zero_rows, *h)  # noqa: E731
+        host = lambda *h: _host(ue8m0, limit, zero_rows, MARKSTEIN, *h)  # noqa: E731
         q, s = jax.pure_callback(interpreted(host), out, *args)
         return q.astype(jnp.float8_e4m3fn), s  # float32 stand-ins holding e4m3 values: exact
     from djax.ffi import cubin
@@ -79,12 +84,12 @@ def quantize_rows(
     return q, s
 
 
-def _host(ue8m0, limit, zero_rows, x, src, up=None):
+def _host(ue8m0, limit, zero_rows, markstein, x, src, up=None):
     import torch
 
     from djax.kernels.row_quant_triton import launch_torch
 
     t = lambda a, dt=np.float32: torch.from_numpy(np.array(a, dt))  # noqa: E731
     up = None if up is None else t(up)
-    q, s = launch_torch(t(x), t(src, np.int32), ue8m0, up, limit, "bits", zero_rows)
+    q, s = launch_torch(t(x), t(src, np.int32), ue8m0, up, limit, "bits", zero_rows, markstein)
     return q.numpy(), s.numpy()

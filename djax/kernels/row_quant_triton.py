@@ -41,6 +41,7 @@ def quantize_rows_kernel(
     UE8M0: tl.constexpr,
     BITS: tl.constexpr,
     ZERO_ROWS: tl.constexpr,  # False: a program with no row in range writes nothing
+    MARKSTEIN: tl.constexpr,  # plain scales: one division a row (`fp8_quant_triton._markstein_div`)
     BLOCK_R: tl.constexpr,
 ):
     BK: tl.constexpr = 128
@@ -62,7 +63,7 @@ def quantize_rows_kernel(
                 x = tl.minimum(x, LIMIT)
                 up = tl.minimum(tl.maximum(up, -LIMIT), LIMIT)
             x = x * tl.sigmoid(x) * up  # zero rows stay zero
-        q, s = quantize_block(x, UE8M0)
+        q, s = quantize_block(x, UE8M0, MARKSTEIN)
         if BITS:
             q = _round_e4m3(q)
         q_ptrs = q_ptr + rr.to(tl.int64)[:, None] * N + rc[None, :]
@@ -71,7 +72,15 @@ def quantize_rows_kernel(
 
 
 def constexprs(
-    m: int, n: int, r: int, swiglu: bool, limit: float, ue8m0: bool, rounding: str, zero_rows: bool = True
+    m: int,
+    n: int,
+    r: int,
+    swiglu: bool,
+    limit: float,
+    ue8m0: bool,
+    rounding: str,
+    zero_rows: bool = True,
+    markstein: bool = False,
 ) -> dict:
     """The kernel's compile-time constants for m output rows of n columns from r source rows; checks them."""
     if rounding not in ROUNDINGS:
@@ -89,6 +98,7 @@ def constexprs(
         UE8M0=bool(ue8m0),
         BITS=rounding == "bits",
         ZERO_ROWS=bool(zero_rows),
+        MARKSTEIN=bool(markstein),
         BLOCK_R=BLOCK_ROWS,
     )
 
@@ -98,7 +108,14 @@ def grid(m: int, n: int) -> tuple[int, int]:
 
 
 def launch_torch(
-    x, src, ue8m0: bool, up=None, limit: float = 0.0, rounding: str = "bits", zero_rows: bool = True
+    x,
+    src,
+    ue8m0: bool,
+    up=None,
+    limit: float = 0.0,
+    rounding: str = "bits",
+    zero_rows: bool = True,
+    markstein: bool = False,
 ):
     """Runs the kernel on torch tensors (GPU, or CPU under TRITON_INTERPRET=1, where q comes back as float32
     stand-ins): x [r, n], src int32 [m], up like x or None. Returns (q [m, n], s float32 [m, n / 128]); rows
@@ -107,7 +124,7 @@ def launch_torch(
 
     r, n = x.shape
     m = src.shape[0]
-    cx = constexprs(m, n, r, up is not None, limit, ue8m0, rounding, zero_rows)
+    cx = constexprs(m, n, r, up is not None, limit, ue8m0, rounding, zero_rows, markstein)
     q_dtype = torch.float32 if rounding == "bits" else torch.float8_e4m3fn
     q = torch.full((m, n), float("nan"), dtype=q_dtype, device=x.device)
     s = torch.full((m, n // 128), float("nan"), dtype=torch.float32, device=x.device)

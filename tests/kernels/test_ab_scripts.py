@@ -228,11 +228,14 @@ def test_moe_fp8_variants_and_run(tmp_path, monkeypatch):
     steps = {name: (c.block_k, f.block_k, c.num_stages) for name, (c, f) in tiles.items()}
     assert steps["both bk256 st4"] == (256, 256, 4) and steps["both bk512 st2"] == (512, 512, 2)
     assert steps["gate/up bk256 st4"] == (128, 256, 4) and steps["down bk256 st4"] == (256, 128, 4)
-    assert len(v) == 10 and steps["both bk128 st6"] == (128, 128, 6)
+    assert len(v) == 11 and steps["both bk128 st6"] == (128, 128, 6)
+    assert v[ab.MARKSTEIN] == dict(markstein=True) and ab.MARKSTEIN not in full(64, ue8m0=True)
     assert all(c.block_m == f.block_m == 16 for c, f in tiles.values())
     prefill = full(4096, prefill=True)
     assert prefill["default"] == {} and prefill["tilelang"] == dict(impl="tilelang")
-    assert prefill["triton 128-row groups"]["cfg"].block_m == 128 and len(prefill) == 7
+    assert prefill["triton 128-row groups"]["cfg"].block_m == 128 and len(prefill) == 9
+    assert prefill[f"tilelang, {ab.MARKSTEIN}"] == dict(impl="tilelang", markstein=True)
+    assert len(full(4096, prefill=True, ue8m0=True)) == 7
     assert prefill[ab.XLA] == dict(row_quant=False)
     assert prefill[f"tilelang, {ab.XLA_BYTES}"] == dict(impl="tilelang", row_quant=False, words=False)
     monkeypatch.setattr(ab, "D", 256)
@@ -241,7 +244,9 @@ def test_moe_fp8_variants_and_run(tmp_path, monkeypatch):
     monkeypatch.setattr(ab, "K", 2)
     monkeypatch.setattr(ab, "IMPL", "interpret")
     kept = ("default", "padding rows written (before)", "both bk256 st4")
-    monkeypatch.setattr(ab, "variants", lambda n, prefill: {k: full(n, prefill)[k] for k in kept})
+    monkeypatch.setattr(
+        ab, "variants", lambda n, prefill, ue8m0: {k: full(n, prefill, ue8m0)[k] for k in kept}
+    )
     monkeypatch.setattr(bench_kernels, "measure_ceilings", lambda: (3e12, 8e14))  # a 2 GiB pass: not on CI
     # one timed pass over the sets where a GPU run takes seven: each pass is four interpreted calls
     monkeypatch.setattr(bench_kernels, "bench", functools.partial(bench_kernels.bench, reps=1))

@@ -133,6 +133,61 @@ def test_interpreted_kernel_skips_runs_of_empty_rows():
     assert not q[:4].any() and q[4:b].any()  # out-of-range rows in a live program: zeros
 
 
+def _hard_rows(seed, r, n=256):
+    """float32 rows whose quotients by their scale sit within a few ulps of e4m3 rounding midpoints (ties
+    included), over scales from 1e-12 / 448 to 1e30; with zeros, negative zeros, subnormals, tiny values beside
+    large ones, rows of one value, and a row with an infinity (its scale infinite: the finite values give 0,
+    the infinity NaN)."""
+    rng = np.random.default_rng(seed)
+    e4m3 = np.unique(np.abs(np.arange(256, dtype=np.uint8).view(E4M3).astype(np.float64)))
+    e4m3 = e4m3[np.isfinite(e4m3)]
+    mids = (e4m3[1:] + e4m3[:-1]) / 2
+    scale = 10.0 ** rng.uniform(-14, 30, (r, 1))
+    q = rng.choice(np.concatenate([mids, e4m3]), (r, n)) * rng.choice([-1, 1], (r, n))
+    x = (q * scale).astype(np.float32)
+    ulps = rng.integers(-3, 4, (r, n)).astype(np.int32)
+    x = (x.view(np.int32) + np.where(x != 0, ulps, 0)).view(np.float32)  # a few ulps either side
+    x[:, 0] = 448 * scale[:, 0]  # amax near 448 scales
+    x[0, :] = 0.0
+    x[1, 1::2] = -0.0
+    x[2, 5:] = np.float32(1e-42) * rng.choice([-1, 1], n - 5)  # subnormals beside a normal amax
+    x[3, :] = np.float32(1e-15)  # below the amax floor
+    x[4, :] = -3.0
+    x[5, 7] = np.inf
+    return x
+
+
+def _assert_rule_bits(q, s, x):
+    """q and s are `_np_quantize`'s of rows x (numpy's IEEE division), bit for bit; NaN where it has NaN (a NaN's
+    sign bit aside)."""
+    want_q, want_s = _np_quantize(np.asarray(x, np.float32), False)
+    np.testing.assert_array_equal(np.asarray(s), want_s)
+    got, want = np.asarray(q, np.float32), want_q.astype(np.float32)
+    np.testing.assert_array_equal(np.isnan(got), np.isnan(want))
+    ok = ~np.isnan(want)
+    np.testing.assert_array_equal(_bits(q)[ok], _bits(want_q)[ok])
+
+
+@needs_triton_interp
+def test_interpreted_markstein_quotient_is_the_division():
+    """`row_quant.MARKSTEIN` (one reciprocal a row and two fmas for the plain scales' division) and the IEEE
+    division: the rule's bits on quotients at e4m3 rounding midpoints and on the corner values of `_hard_rows`.
+    The rule's, not `quantize_rows_ref`'s: XLA's CPU backend turns that division into a product with the
+    reciprocal, which rounds some of these quotients the other way."""
+    from djax.kernels import row_quant
+
+    x = _hard_rows(8, 48)
+    src = jnp.arange(48, dtype=jnp.int32)
+    assert np.isnan(_np_quantize(x, False)[0][5].astype(np.float32)).sum() == 1  # the infinity's row
+    for markstein in (False, True):
+        row_quant.MARKSTEIN = markstein
+        try:
+            q, s = quantize_rows(jnp.asarray(x), src, impl="interpret")
+        finally:
+            row_quant.MARKSTEIN = False
+        _assert_rule_bits(q, s, x)
+
+
 def test_bad_input_is_refused():
     x, up, src = _inputs(5, 8, 256, 10)
     with pytest.raises(ValueError, match="x must be"):
@@ -162,3 +217,21 @@ def test_kernel_on_gpu_is_the_reference(ue8m0):
     g, u = x[:, :2048], up[:, :2048]
     q, s = jax.jit(lambda *a: quantize_rows(*a, ue8m0, up=u, limit=10.0, impl="triton"))(g, src)
     _within_one_step(q, s, *quantize_rows_ref(g, src, ue8m0, up=u, limit=10.0))
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("markstein", [False, True])
+def test_markstein_quotient_on_gpu_is_the_division(markstein):
+    """On a CUDA GPU, plain scales: the kernel with the IEEE division and with `row_quant.MARKSTEIN` give the
+    rule's bits on `_hard_rows` (midpoints, corner values; 4,096 rows at V4-Flash's width, gathered in a
+    shuffled order)."""
+    from djax.kernels import row_quant
+
+    x = _hard_rows(9, 4096, 4096)
+    order = np.random.default_rng(9).permutation(4096).astype(np.int32)
+    row_quant.MARKSTEIN = markstein
+    try:
+        q, s = jax.jit(lambda a, i: quantize_rows(a, i, impl="triton"))(jnp.asarray(x), jnp.asarray(order))
+    finally:
+        row_quant.MARKSTEIN = False
+    _assert_rule_bits(q, s, x[order])
