@@ -45,15 +45,15 @@ FP8_PREFILL_CFG = GemmConfig(block_m=64, block_n=128, block_k=128, num_warps=4, 
 TILELANG_LAYOUT_CFG = GemmConfig(block_m=128, block_n=128, block_k=128, num_warps=8, num_stages=4)
 # From this many picks an expert (n * k / e) `moe_experts_fp8(impl="auto")` takes TileLang's grouped GEMMs
 # (`tilelang_takes`). H100, V4-Flash's experts (256 of 4,096 x 2,048, top-6) under bench_moe's skewed routing,
-# `ab_moe_fp8.py --prefill`, two alternating rounds (moe_fp8_prefill_h100_ab.json): 4,096 tokens (96 picks an
-# expert) 2,437.0-2,438.7 us against the Triton kernels' 2,742.5-2,762.1; 16,384 tokens (384) 7,325.2-7,368.7
-# against 9,386.0-9,394.2; 1,024 tokens (24) 1,214.9-1,215.2 against 1,057.9-1,058.6, so Triton below. With the
-# activations quantized by `row_quant` on both paths (its kernel as first measured, every program computed; the
-# Triton path's from `ROW_QUANT_MIN_PICKS_PER_EXPERT`), two runs of two rounds
-# (moe_fp8_prefill_h100_row_quant_ab.json, _rerun_ab.json): 4,096 tokens TileLang 2,408.0-2,442.5 against
-# Triton's 2,525.1-2,546.4; 2,048 (48) 1,766.3-1,769.3 against 1,535.4-1,540.3; 1,024 1,437.0-1,450.6 against
-# 1,042.7-1,056.0.
-TILELANG_MIN_PICKS_PER_EXPERT = 96
+# `ab_moe_fp8.py --prefill`, two alternating rounds. Before `row_quant` (moe_fp8_prefill_h100_ab.json): 4,096
+# tokens (96 picks an expert) 2,437.0-2,438.7 us against the Triton kernels' 2,742.5-2,762.1, 1,024 tokens (24)
+# 1,214.9-1,215.2 against 1,057.9-1,058.6, hence 96 then. With `row_quant` skipping the layout's empty runs
+# and dividing by an IEEE division (moe_fp8_prefill_h100_row_quant_skip_ab.json), plain scales: 4,096 tokens
+# 2,006.2-2,017.8 against 2,496.4-2,496.7; 3,072 (72) 1,665.7-1,677.6 against 2,009.0-2,023.5; 2,048 (48)
+# 1,354.4-1,359.6 against 1,491.0-1,496.3; 1,024 (24) 1,024.2-1,024.4 against 1,045.6-1,048.7. UE8M0 scales
+# (_skip_ue8m0_ab.json): 4,096 1,900.6-1,908.2 against 2,473.8-2,480.9; 2,048 1,268.8-1,269.4 against
+# 1,478.3-1,479.1. So from 24, the smallest count measured to win.
+TILELANG_MIN_PICKS_PER_EXPERT = 24
 # On the kernels' paths the activations the grouped GEMMs read are gathered and quantized by one Triton kernel
 # each (`row_quant`): the tokens into the 128-row groups (TileLang's path) and the SwiGLU output (both paths;
 # TileLang's takes the SwiGLU of gate and up in that kernel too), padding rows zeros or, in runs with no pick,

@@ -14,9 +14,13 @@ from djax.kernels.fp8_gemm_ref import quantize_act, scale_blocks
 from djax.kernels.grouped_gemm_ref import swiglu_f32
 
 IMPLS = ("ref", "triton", "interpret")
-# the kernel's plain-scale quotient by one reciprocal a row and two fmas (`fp8_quant_triton._markstein_div`, the
-# same bits) instead of an IEEE division an element; read when a call is traced
-MARKSTEIN = False
+# The kernel's plain-scale quotient by one reciprocal a row and two fmas (`fp8_quant_triton._markstein_div`, the
+# same bits: tested at e4m3 midpoints on an H100) instead of an IEEE division an element; read when a call is
+# traced. H100, V4-Flash's experts at prefill (`ab_moe_fp8.py --prefill`, moe_fp8_prefill_h100_row_quant_skip_ab.json,
+# two alternating rounds): TileLang's path 1,949.8-1,987.1 us against 2,006.2-2,017.8 at 4,096 tokens,
+# 975.6-976.8 against 1,024.2-1,024.4 at 1,024; the Triton path 1,478.3-1,479.0 against 1,491.0-1,496.3 at 2,048,
+# 2,476.7-2,507.0 against 2,496.4-2,496.7 at 4,096 (a tie).
+MARKSTEIN = True
 
 
 def _check(x, src, up):

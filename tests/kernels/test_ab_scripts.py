@@ -229,12 +229,12 @@ def test_moe_fp8_variants_and_run(tmp_path, monkeypatch):
     assert steps["both bk256 st4"] == (256, 256, 4) and steps["both bk512 st2"] == (512, 512, 2)
     assert steps["gate/up bk256 st4"] == (128, 256, 4) and steps["down bk256 st4"] == (256, 128, 4)
     assert len(v) == 11 and steps["both bk128 st6"] == (128, 128, 6)
-    assert v[ab.MARKSTEIN] == dict(markstein=True) and ab.MARKSTEIN not in full(64, ue8m0=True)
+    assert v[ab.IEEE] == dict(markstein=False) and ab.IEEE not in full(64, ue8m0=True)
     assert all(c.block_m == f.block_m == 16 for c, f in tiles.values())
     prefill = full(4096, prefill=True)
     assert prefill["default"] == {} and prefill["tilelang"] == dict(impl="tilelang")
     assert prefill["triton 128-row groups"]["cfg"].block_m == 128 and len(prefill) == 9
-    assert prefill[f"tilelang, {ab.MARKSTEIN}"] == dict(impl="tilelang", markstein=True)
+    assert prefill[f"tilelang, {ab.IEEE}"] == dict(impl="tilelang", markstein=False)
     assert len(full(4096, prefill=True, ue8m0=True)) == 7
     assert prefill[ab.XLA] == dict(row_quant=False)
     assert prefill[f"tilelang, {ab.XLA_BYTES}"] == dict(impl="tilelang", row_quant=False, words=False)

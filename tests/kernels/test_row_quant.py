@@ -169,7 +169,7 @@ def _assert_rule_bits(q, s, x):
 
 
 @needs_triton_interp
-def test_interpreted_markstein_quotient_is_the_division():
+def test_interpreted_markstein_quotient_is_the_division(monkeypatch):
     """`row_quant.MARKSTEIN` (one reciprocal a row and two fmas for the plain scales' division) and the IEEE
     division: the rule's bits on quotients at e4m3 rounding midpoints and on the corner values of `_hard_rows`.
     The rule's, not `quantize_rows_ref`'s: XLA's CPU backend turns that division into a product with the
@@ -180,11 +180,8 @@ def test_interpreted_markstein_quotient_is_the_division():
     src = jnp.arange(48, dtype=jnp.int32)
     assert np.isnan(_np_quantize(x, False)[0][5].astype(np.float32)).sum() == 1  # the infinity's row
     for markstein in (False, True):
-        row_quant.MARKSTEIN = markstein
-        try:
-            q, s = quantize_rows(jnp.asarray(x), src, impl="interpret")
-        finally:
-            row_quant.MARKSTEIN = False
+        monkeypatch.setattr(row_quant, "MARKSTEIN", markstein)
+        q, s = quantize_rows(jnp.asarray(x), src, impl="interpret")
         _assert_rule_bits(q, s, x)
 
 
@@ -221,7 +218,7 @@ def test_kernel_on_gpu_is_the_reference(ue8m0):
 
 @pytest.mark.gpu
 @pytest.mark.parametrize("markstein", [False, True])
-def test_markstein_quotient_on_gpu_is_the_division(markstein):
+def test_markstein_quotient_on_gpu_is_the_division(markstein, monkeypatch):
     """On a CUDA GPU, plain scales: the kernel with the IEEE division and with `row_quant.MARKSTEIN` give the
     rule's bits on `_hard_rows` (midpoints, corner values; 4,096 rows at V4-Flash's width, gathered in a
     shuffled order)."""
@@ -229,9 +226,6 @@ def test_markstein_quotient_on_gpu_is_the_division(markstein):
 
     x = _hard_rows(9, 4096, 4096)
     order = np.random.default_rng(9).permutation(4096).astype(np.int32)
-    row_quant.MARKSTEIN = markstein
-    try:
-        q, s = jax.jit(lambda a, i: quantize_rows(a, i, impl="triton"))(jnp.asarray(x), jnp.asarray(order))
-    finally:
-        row_quant.MARKSTEIN = False
+    monkeypatch.setattr(row_quant, "MARKSTEIN", markstein)
+    q, s = jax.jit(lambda a, i: quantize_rows(a, i, impl="triton"))(jnp.asarray(x), jnp.asarray(order))
     _assert_rule_bits(q, s, x[order])
