@@ -6,7 +6,7 @@ program does it all: per-expert counts by `tl.histogram`, the padded group start
 in stable expert order by sorting (expert, pick) packed into one int32, and the three outputs stored. A
 pick's padded row is its sorted position plus the padding of the groups before its expert.
 
-Sized for decode and small prefill chunks: every pick is one lane of the program (`MAX_PICKS`). On the H200
+Sized for decode and small prefill chunks: every pick is one lane of the program (`CAPACITY`). On the H200
 (`bench_kernels.py --only moe_fp8`, V4-Flash routing, top-6 of 256): 1.7 / 3.2 / 8.6 us for 1 / 32 / 128
 tokens against 13.2 / 14.7 / 18.2 us for XLA's ops, the same output.
 """
@@ -16,7 +16,8 @@ from __future__ import annotations
 import triton
 import triton.language as tl
 
-MAX_PICKS = 4096  # lanes of the one program: the picks, rounded up to a power of two
+CAPACITY = 4096  # lanes of the one program: the picks, rounded up to a power of two
+MAX_PICKS = 4096  # `moe_experts.layout` takes the kernel up to this many picks (at most CAPACITY)
 INIT = tl.constexpr(1024)  # padded rows set to -1 per step before the picks' rows are written
 
 
@@ -58,8 +59,8 @@ def layout_kernel(
 
 
 def constexprs(n_picks: int, k: int, num_experts: int, block_m: int, m_pad: int) -> dict:
-    if n_picks > MAX_PICKS:
-        raise ValueError(f"the layout kernel takes at most {MAX_PICKS} picks, got {n_picks}")
+    if n_picks > CAPACITY:
+        raise ValueError(f"the layout kernel takes at most {CAPACITY} picks, got {n_picks}")
     return dict(
         P=n_picks,
         K=k,

@@ -283,3 +283,28 @@ def test_moe_fp8_variants_and_run(tmp_path, monkeypatch):
     (row,) = res["rows"]
     assert res["prefill"] and row["tokens"] == 24 and row["flops"] == 2 * 24 * 2 * 3 * 256 * 128
     assert set(row["rounds"][0]) == set(kept) and all(e <= ab.RTOL for e in row["rel_err"].values())
+
+
+@needs_triton_interp
+def test_moe_layout_checks_and_times_both(tmp_path, monkeypatch):
+    """ab_moe_layout: the kernel (past MAX_PICKS too, for the A/B) and XLA's ops, each checked equal on every
+    output, timed, the JSON and, where matplotlib is installed, the PNG written; MAX_PICKS as it was after."""
+    import ab_moe_layout as ab
+    import bench_kernels
+
+    from djax.kernels import moe_layout_triton
+
+    monkeypatch.setattr(ab, "IMPL", "interpret")
+    monkeypatch.setattr(
+        moe_layout_triton, "MAX_PICKS", 16
+    )  # 5 tokens x 6 picks: past it, the kernel still runs
+    monkeypatch.setattr(bench_kernels, "bench", functools.partial(bench_kernels.bench, reps=1))
+    argv = ["--tokens", "5", "--block-m", "16", "--rounds", "1", "--out", str(tmp_path)]
+    monkeypatch.setattr(sys, "argv", ["ab_moe_layout.py", *argv])
+    ab.main()
+    assert moe_layout_triton.MAX_PICKS == 16
+    res = json.loads((tmp_path / "moe_layout_ab.json").read_text())
+    (row,) = res["rows"]
+    assert row["picks"] == 30 and row["block_m"] == 16 and row["equal"] == {"kernel": True, "xla": True}
+    assert set(row["rounds"][0]) == {"kernel", "xla"} and all(t > 0 for t in row["rounds"][0].values())
+    assert (tmp_path / "moe_layout_ab.png").exists() == (importlib.util.find_spec("matplotlib") is not None)
