@@ -6,7 +6,7 @@ program does it all: per-expert counts by `tl.histogram`, the padded group start
 in stable expert order by sorting (expert, pick) packed into one int32, and the three outputs stored. A
 pick's padded row is its sorted position plus the padding of the groups before its expert.
 
-Sized for decode and small prefill chunks: every pick is one lane of the program (`CAPACITY`). On the H200
+Sized for decode: every pick is one lane of the program (`CAPACITY`), taken up to `MAX_PICKS`. On the H200
 (`bench_kernels.py --only moe_fp8`, V4-Flash routing, top-6 of 256): 1.7 / 3.2 / 8.6 us for 1 / 32 / 128
 tokens against 13.2 / 14.7 / 18.2 us for XLA's ops, the same output.
 """
@@ -17,7 +17,13 @@ import triton
 import triton.language as tl
 
 CAPACITY = 4096  # lanes of the one program: the picks, rounded up to a power of two
-MAX_PICKS = 4096  # `moe_experts.layout` takes the kernel up to this many picks (at most CAPACITY)
+# `moe_experts.layout` takes the kernel up to this many picks (at most CAPACITY). One H100, V4-Flash's routing
+# under bench_moe's skew, `ab_moe_layout.py` (moe_layout_h100_ab.json, three alternating rounds, device us):
+# 192 picks 3.4-6.3 against XLA's 14.3-14.4, 768 picks 8.8-12.2 against 17.3-17.4, 1,020 picks 9.1-12.4 against
+# 18.4-18.6 (16- to 128-row groups); past 1,024 lanes the sort costs more than XLA's ops: 1,536 picks 26.6-30.5
+# against 23.0-23.2, 2,046 picks 26.9 against 25.6; at 3,072 the kernel took 106.7-109.4 us inside the MoE
+# layer (moe_fp8_prefill_h100_markstein_small_ab.json, 512 tokens).
+MAX_PICKS = 1024
 INIT = tl.constexpr(1024)  # padded rows set to -1 per step before the picks' rows are written
 
 

@@ -175,16 +175,24 @@ def test_layout_kernel_equals_reference(n, k, e, bm):
         np.testing.assert_array_equal(np.asarray(g), np.asarray(w), err_msg=name)
 
 
-def test_layout_past_the_kernel_takes_the_reference():
-    """More picks than the one program holds: the reference's layout, whatever impl asks for."""
-    from djax.kernels.moe_layout_triton import MAX_PICKS
+@needs_triton_interp
+@pytest.mark.parametrize("n,launched", [(250, True), (300, False), (1100, False)])
+def test_layout_past_max_picks_takes_the_reference(n, launched, monkeypatch):
+    """Up to `MAX_PICKS` picks the kernel runs; past it (1,200 picks: within the program's CAPACITY; 4,400:
+    past that too) the reference's layout, whatever impl asks for."""
+    from djax.kernels import moe_layout_triton
+    from djax.kernels.moe_layout_triton import CAPACITY, MAX_PICKS
 
-    idx = jnp.asarray(np.random.default_rng(0).integers(0, 16, (1100, 4)), jnp.int32)  # 4,400 picks
-    assert idx.size > MAX_PICKS
+    calls = []
+    real = moe_layout_triton.launch_torch
+    monkeypatch.setattr(moe_layout_triton, "launch_torch", lambda *a: calls.append(1) or real(*a))
+    idx = jnp.asarray(np.random.default_rng(n).integers(0, 16, (n, 4)), jnp.int32)
+    assert (idx.size <= MAX_PICKS) == launched and MAX_PICKS < 1200 < CAPACITY < 4400
     got = layout(idx, 16, 64, "interpret")
     want = layout(idx, 16, 64, "ref")
     for g, w in zip(got, want):
         np.testing.assert_array_equal(np.asarray(g), np.asarray(w))
+    assert bool(calls) == launched
 
 
 def _moe_inputs(rng, n, d, f, e, k, probs):
