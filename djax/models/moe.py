@@ -123,7 +123,7 @@ def experts_triton(x, weights, idx, w1, w2, w3, limit: float) -> jax.Array:
 def experts_fp8(x, weights, idx, w1, w2, w3, limit: float, impl: str = "auto") -> jax.Array:
     """FP8 experts in DeepGEMM's layout read as stored by the block-scaled grouped GEMMs
     (`djax.kernels.moe_experts.moe_experts_fp8`; impl as `grouped_contiguous`'s: "auto" the Triton kernels on
-    CUDA, TileLang's grouped GEMMs over 128-row groups from 96 picks an expert (prefill), the jnp spec
+    CUDA, TileLang's grouped GEMMs over 128-row groups from 24 picks an expert (prefill), the jnp spec
     elsewhere; "triton", "ref", "interpret", or "tilelang"), the activations
     quantized 1x128 as in DeepSeek's inference. On the H200 at V4-Flash's expert shapes 22-138x faster than
     making the stack dense on use at decode and 4.9x at 4,096 tokens (bench_kernels' moe_fp8 section,
@@ -136,7 +136,7 @@ def experts_fp8(x, weights, idx, w1, w2, w3, limit: float, impl: str = "auto") -
 def experts_grouped(x, weights, idx, w1, w2, w3, limit: float, fp8: str | None = None) -> jax.Array:
     """The fast path, chosen by the (static) shapes and the backend. On CUDA the Triton grouped GEMMs at
     every size (for FP8 weights that `takes_fp8_grouped`, the FP8 ones: `experts_fp8`, TileLang's grouped GEMMs
-    from 96 picks an expert; FP4 experts with
+    from 24 picks an expert; FP4 experts with
     UE8M0 scales, V4.1's, are read as stored by the bf16 ones, which decode each tile): they read each
     touched expert once, while XLA lowers `ragged_dot` densely there (every expert on every row) and the
     gather path writes a copy of every (token, choice)'s matrices (on the H200 it made a 32-row decode step
