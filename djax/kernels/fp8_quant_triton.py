@@ -153,10 +153,11 @@ def quantize_block(a, UE8M0: tl.constexpr, MARKSTEIN: tl.constexpr = False):
 def _markstein_div(a, s):
     """a / s[:, None] correctly rounded, as the IEEE division, with one division a row instead of one an element:
     y = RN(1 / s); q0 = RN(a * y); the residual a - q0 * s is exact in one fma, and RN(q0 + residual * y) is the
-    rounded quotient (Markstein's theorem, for a correctly rounded reciprocal and a normal quotient: s is a
-    positive normal >= 1e-12 / 448 and |a / s| <= 448; a quotient below float32's normals rounds to an e4m3 zero
-    either way). Where q0 is zero (a is zero or tiny, or s infinite and the residual NaN) q0 is the answer, with
-    the quotient's sign."""
+    rounded quotient (Markstein's theorem, for a correctly rounded reciprocal and no underflow: s is a positive
+    normal >= 1e-12 / 448 and |a / s| <= 448; where |a| is so small that the residual underflows, about 2^-108,
+    the float32 quotient may be an ulp off, but it is under 2^-60 and rounds to an e4m3 zero either way).
+    Where q0 is zero (a is zero or tiny, or s infinite and the residual NaN) q0 is the answer, with the
+    quotient's sign."""
     y = tl.math.div_rn(tl.full(s.shape, 1.0, tl.float32), s)[:, None]
     q0 = a * y
     q = tl.fma(tl.fma(-q0, s[:, None], a), y, q0)

@@ -74,7 +74,8 @@ def quantize_rows(
     if impl == "interpret":
         out = (jax.ShapeDtypeStruct((m, n), jnp.float32), s_out)
         args = (x, src) if up is None else (x, src, up)
-        host = lambda *h: _host(ue8m0, limit, zero_rows, MARKSTEIN, *h)  # noqa: E731
+        markstein = MARKSTEIN  # as traced: the callback runs later
+        host = lambda *h: _host(ue8m0, limit, zero_rows, markstein, *h)  # noqa: E731
         q, s = jax.pure_callback(interpreted(host), out, *args)
         return q.astype(jnp.float8_e4m3fn), s  # float32 stand-ins holding e4m3 values: exact
     from djax.ffi import cubin

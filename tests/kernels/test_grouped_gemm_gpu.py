@@ -53,9 +53,16 @@ def _moe(seed, n, d, f, e, k):
     return x, w, idx.astype(jnp.int32), w1, w2, w3
 
 
-@pytest.mark.parametrize("n,k,e,bm", [(1, 6, 256, 16), (64, 6, 256, 16), (300, 8, 256, 64), (600, 2, 6, 64)])
-def test_layout_kernel_equals_reference(n, k, e, bm):
-    """The one-program layout on the GPU against the jnp spec, exactly, ids outside [0, e) among the picks."""
+@pytest.mark.parametrize(
+    "n,k,e,bm",
+    [(1, 6, 256, 16), (64, 6, 256, 16), (300, 8, 256, 64), (600, 2, 6, 64), (682, 6, 256, 128)],
+)
+def test_layout_kernel_equals_reference(n, k, e, bm, monkeypatch):
+    """The one-program layout on the GPU against the jnp spec, exactly, ids outside [0, e) among the picks; up
+    to the program's CAPACITY (4,092 picks), past the MAX_PICKS that `layout` takes it to by default."""
+    from djax.kernels import moe_layout_triton
+
+    monkeypatch.setattr(moe_layout_triton, "MAX_PICKS", moe_layout_triton.CAPACITY)
     rng = np.random.default_rng(n + e)
     idx = rng.choice(e, (n, k), p=rng.dirichlet(np.full(e, 0.3))).astype(np.int32)
     idx[rng.random((n, k)) < 0.05] = -1

@@ -135,7 +135,7 @@ def test_interpreted_kernel_skips_runs_of_empty_rows():
 
 def _hard_rows(seed, r, n=256):
     """float32 rows whose quotients by their scale sit within a few ulps of e4m3 rounding midpoints (ties
-    included), over scales from 1e-12 / 448 to 1e30; with zeros, negative zeros, subnormals, tiny values beside
+    included), over scales from 1e-14 to 1e30 (and one row on the amax floor); with zeros, negative zeros, subnormals, tiny values beside
     large ones, rows of one value, and a row with an infinity (its scale infinite: the finite values give 0,
     the infinity NaN)."""
     rng = np.random.default_rng(seed)
@@ -183,6 +183,29 @@ def test_interpreted_markstein_quotient_is_the_division(monkeypatch):
         monkeypatch.setattr(row_quant, "MARKSTEIN", markstein)
         q, s = quantize_rows(jnp.asarray(x), src, impl="interpret")
         _assert_rule_bits(q, s, x)
+
+
+@needs_triton_interp
+def test_interpreted_markstein_is_read_when_traced(monkeypatch):
+    """The interpreter's callback runs after tracing: it takes `MARKSTEIN` as it was when the call was traced."""
+    from djax.kernels import row_quant
+
+    seen = []
+    real = row_quant_triton.launch_torch
+    monkeypatch.setattr(
+        row_quant_triton, "launch_torch", lambda *a: seen.append(a[-1]) or real(*a)
+    )  # markstein is the last argument
+    x, _, src = _inputs(10, 8, 128, 10)
+
+    def traced_without(x, src):
+        monkeypatch.setattr(row_quant, "MARKSTEIN", False)
+        try:
+            return quantize_rows(x, src, impl="interpret")
+        finally:
+            monkeypatch.setattr(row_quant, "MARKSTEIN", True)
+
+    jax.block_until_ready(jax.jit(traced_without)(x, src))
+    assert seen == [False] and row_quant.MARKSTEIN
 
 
 def test_bad_input_is_refused():
