@@ -74,8 +74,7 @@ def quantize_rows(
     if impl == "interpret":
         out = (jax.ShapeDtypeStruct((m, n), jnp.float32), s_out)
         args = (x, src) if up is None else (x, src, up)
-        markstein = MARKSTEIN  # as traced: the callback runs later
-        host = lambda *h: _host(ue8m0, limit, zero_rows, markstein, *h)  # noqa: E731
+        host = lambda *h: _host(cx, *h)  # noqa: E731  (the constants as traced: the callback runs later)
         q, s = jax.pure_callback(interpreted(host), out, *args)
         return q.astype(jnp.float8_e4m3fn), s  # float32 stand-ins holding e4m3 values: exact
     from djax.ffi import cubin
@@ -89,12 +88,11 @@ def quantize_rows(
     return q, s
 
 
-def _host(ue8m0, limit, zero_rows, markstein, x, src, up=None):
+def _host(cx, x, src, up=None):
     import torch
 
     from djax.kernels.row_quant_triton import launch_torch
 
     t = lambda a, dt=np.float32: torch.from_numpy(np.array(a, dt))  # noqa: E731
-    up = None if up is None else t(up)
-    q, s = launch_torch(t(x), t(src, np.int32), ue8m0, up, limit, "bits", zero_rows, markstein)
+    q, s = launch_torch(t(x), t(src, np.int32), cx, None if up is None else t(up))
     return q.numpy(), s.numpy()

@@ -79,8 +79,8 @@ def constexprs(
     limit: float,
     ue8m0: bool,
     rounding: str,
-    zero_rows: bool = True,
-    markstein: bool = False,
+    zero_rows: bool,
+    markstein: bool,
 ) -> dict:
     """The kernel's compile-time constants for m output rows of n columns from r source rows; checks them."""
     if rounding not in ROUNDINGS:
@@ -107,25 +107,19 @@ def grid(m: int, n: int) -> tuple[int, int]:
     return triton.cdiv(m, BLOCK_ROWS), n // 128
 
 
-def launch_torch(
-    x,
-    src,
-    ue8m0: bool,
-    up=None,
-    limit: float = 0.0,
-    rounding: str = "bits",
-    zero_rows: bool = True,
-    markstein: bool = False,
-):
-    """Runs the kernel on torch tensors (GPU, or CPU under TRITON_INTERPRET=1, where q comes back as float32
-    stand-ins): x [r, n], src int32 [m], up like x or None. Returns (q [m, n], s float32 [m, n / 128]); rows
-    left unwritten (zero_rows False) come back as nan."""
+def launch_torch(x, src, cx: dict, up=None):
+    """Runs the kernel with the constants `cx` (`constexprs`, which x [R, N], src int32 [M] and up, like x or
+    None, must match) on torch tensors: a GPU, or the CPU under TRITON_INTERPRET=1, where q comes back as
+    float32 stand-ins (BITS). Returns (q [M, N], s float32 [M, N / 128]); rows left unwritten (ZERO_ROWS off)
+    come back as nan."""
     import torch
 
-    r, n = x.shape
-    m = src.shape[0]
-    cx = constexprs(m, n, r, up is not None, limit, ue8m0, rounding, zero_rows, markstein)
-    q_dtype = torch.float32 if rounding == "bits" else torch.float8_e4m3fn
+    m, n = cx["M"], cx["N"]
+    if tuple(x.shape) != (cx["R"], n) or tuple(src.shape) != (m,) or (up is not None) != cx["SWIGLU"]:
+        raise ValueError(
+            f"quantize_rows' kernel: x {tuple(x.shape)}, src {tuple(src.shape)} do not match {cx}"
+        )
+    q_dtype = torch.float32 if cx["BITS"] else torch.float8_e4m3fn
     q = torch.full((m, n), float("nan"), dtype=q_dtype, device=x.device)
     s = torch.full((m, n // 128), float("nan"), dtype=torch.float32, device=x.device)
     x = x.contiguous()

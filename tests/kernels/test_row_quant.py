@@ -187,14 +187,17 @@ def test_interpreted_markstein_quotient_is_the_division(monkeypatch):
 
 @needs_triton_interp
 def test_interpreted_markstein_is_read_when_traced(monkeypatch):
-    """The interpreter's callback runs after tracing: it takes `MARKSTEIN` as it was when the call was traced."""
+    """The interpreter's callback runs after tracing: it takes the kernel's constants, `MARKSTEIN` among them,
+    as they were when the call was traced."""
     from djax.kernels import row_quant
 
     seen = []
     real = row_quant_triton.launch_torch
     monkeypatch.setattr(
-        row_quant_triton, "launch_torch", lambda *a: seen.append(a[-1]) or real(*a)
-    )  # markstein is the last argument
+        row_quant_triton,
+        "launch_torch",
+        lambda x, src, cx, up=None: seen.append(cx["MARKSTEIN"]) or real(x, src, cx, up),
+    )
     x, _, src = _inputs(10, 8, 128, 10)
 
     def traced_without(x, src):
