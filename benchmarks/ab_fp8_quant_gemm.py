@@ -8,13 +8,18 @@ Per projection shape (n x k, V4-Flash's FP8 projections by default) and row coun
 and a 128 x 128-block FP8 weight:
   - "two-step": `quantize_act` then `fp8_gemm` ("auto": what the model's `linear` ran before `fp8_quant_gemm`;
     TileLang's kernel where that picks it);
-  - "quant default": `fp8_quant_gemm` at its default tiles (`fp8_quant_triton.quant_config`);
+  - "quant default": `fp8_quant_gemm` at its default tiles (`fp8_quant_triton.quant_config`); "quant default
+    ieee (before)" the same with plain scales divided element by element (`fp8_quant_triton.MARKSTEIN` off),
+    "quant default markstein div (before)" with Markstein's reciprocal by a division (`fp8_quant_triton.NEWTON`
+    off);
   - each also with UE8M0 (power-of-two) activation scales, "... ue8m0";
   - at the --sweep-rows counts, `fp8_quant_gemm` (UE8M0) at other tiles: "quant m{BLOCK_M} n{BLOCK_N} s{split}",
     "... swap" where the dot is taken as b a^T, "... st{stages}" at other than six stages;
   - "bf16 weight": x @ w^T on the bf16 weight (XLA), twice the bytes.
 With --pairs (n1+n2 x k: V4-Flash's projections of one x by default) instead: "two calls" (`fp8_quant_gemm` once
-per weight) against "pair" (`fp8_quant_gemm_pair`, one launch), UE8M0 scales and, up to 16 rows, plain ones.
+per weight) against "pair" (`fp8_quant_gemm_pair`, one launch), UE8M0 scales and, up to 32 rows, plain ones
+(and "pair plain ieee (before)", their IEEE division an element, "pair plain markstein div (before)" their
+reciprocal by a division).
 Each is checked against the two-step jnp reference first (a wrong one is recorded and not timed); then every
 round times each once (device time from a profiler trace), each round starting with the next variant. Input sets
 rotate over at least --weight-mb (150) MB of weights, so that the 50 MB L2 does not hold them. Writes fp8_quant_gemm_ab.json
@@ -50,6 +55,28 @@ RTOL = 2.0**-7  # bf16 results of float32 sums in a different order: a few bf16 
 
 def two_step(x, v, s, ue8m0=False):
     return fp8_gemm(*quantize_act(x, ue8m0), v, s, x.dtype)
+
+
+def quant_plain(x, v, s, wd):
+    return fp8_quant_gemm(x, v, s)
+
+
+def traced_with(fn, **flags):
+    """fn as traced with `fp8_quant_triton`'s module flags set (MARKSTEIN=False: the plain scales' IEEE division
+    an element, the kernel before Markstein's quotient; NEWTON=True: its reciprocal without a division). jit
+    traces on the first call, so the flags hold for that trace."""
+
+    def traced(*args):
+        was = {name: getattr(qk, name) for name in flags}
+        for name, value in flags.items():
+            setattr(qk, name, value)
+        try:
+            return fn(*args)
+        finally:
+            for name, value in was.items():
+                setattr(qk, name, value)
+
+    return traced
 
 
 def sweep(m, n, k):
@@ -129,7 +156,7 @@ def run_pairs(args, res) -> None:
             seconds = make_sets(m, n2, k, args.weight_mb * 1_000_000 * n2 // (n1 + n2), seed=1)
             count = min(len(firsts), len(seconds))
             sets = [(*a[:3], *b[1:3]) for a, b in zip(firsts[:count], seconds[:count], strict=True)]
-            kinds = (True, False) if m <= 16 else (True,)
+            kinds = (True, False) if m <= 32 else (True,)
             fns = {}
             for u in kinds:
                 tag = " ue8m0" if u else " plain"
@@ -138,6 +165,12 @@ def run_pairs(args, res) -> None:
                     u,
                 )
                 fns["pair" + tag] = (lambda x, v, s, v2, s2, u=u: fp8_quant_gemm_pair(x, v, s, v2, s2, u), u)
+                if not u:
+                    fns["pair plain ieee (before)"] = (traced_with(fns["pair plain"][0], MARKSTEIN=False), u)
+                    fns["pair plain markstein div (before)"] = (
+                        traced_with(fns["pair plain"][0], NEWTON=False),
+                        u,
+                    )
             x, v, s, v2, s2 = sets[0]
             refs = {
                 u: np.concatenate(
@@ -195,7 +228,9 @@ def main():
             fns = {  # name -> (fn(x, v, s, wd), ue8m0)
                 "two-step": (lambda x, v, s, wd: two_step(x, v, s), False),
                 "two-step ue8m0": (lambda x, v, s, wd: two_step(x, v, s, True), True),
-                "quant default": (lambda x, v, s, wd: fp8_quant_gemm(x, v, s), False),
+                "quant default": (quant_plain, False),
+                "quant default ieee (before)": (traced_with(quant_plain, MARKSTEIN=False), False),
+                "quant default markstein div (before)": (traced_with(quant_plain, NEWTON=False), False),
                 "quant default ue8m0": (lambda x, v, s, wd: fp8_quant_gemm(x, v, s, True), True),
                 "bf16 weight": (lambda x, v, s, wd: x @ wd.T, False),
             }

@@ -126,7 +126,8 @@ def fp8_quant_gemm(
     the GEMM kernel (`fp8_quant_triton`): one kernel (and the split-K sum) where the two-step form runs the
     quantization's kernels first. For the few rows of a decode step. a [m, k] bf16; b e4m3 [n, k] with 128 x
     128 scales b_scale [n / 128, k / 128]; n and k multiples of 128. With ue8m0 (power-of-two scales) the
-    kernel multiplies by each scale's exact inverse; with plain scales it divides by IEEE rules.
+    kernel multiplies by each scale's exact inverse; with plain scales it gives the IEEE quotient (by one
+    reciprocal a row, `fp8_quant_triton.MARKSTEIN` and `NEWTON`).
 
     impl "triton", "interpret" (that kernel in Triton's CPU interpreter, float32 stand-ins), "ref" (the
     two-step jnp reference), or "auto" (Triton on CUDA). cfg: an `Fp8Config` or `fp8_quant_triton.QuantConfig`
@@ -183,7 +184,8 @@ def _quant_gemm(a, weights: list, ue8m0: bool, impl: str, cfg, rounding: str | N
     out = _result((m, n), a.dtype, splits)
     args = [a] + [x for w, scale in weights for x in (w, scale.astype(jnp.float32))]
     if impl == "interpret":
-        host = lambda *h: _host_quant(ue8m0, cfg, rounding, out.dtype, *h)  # noqa: E731
+        markstein = cx["MARKSTEIN"]  # as traced: the callback runs later
+        host = lambda *h: _host_quant(ue8m0, cfg, rounding, markstein, out.dtype, *h)  # noqa: E731
         c = jax.pure_callback(interpreted(host), out, *args)
     else:
         names = ["a_ptr", "b_ptr", "bs_ptr"] + (["b2_ptr", "bs2_ptr"] if pair else []) + ["c_ptr"]
@@ -446,11 +448,11 @@ def _host_weight(block, cfg, decode, out_dtype, a, codes, scale):
     return out.numpy().astype(out_dtype)
 
 
-def _host_quant(ue8m0, cfg, rounding, out_dtype, a, b, scale, b2=None, scale2=None):
+def _host_quant(ue8m0, cfg, rounding, markstein, out_dtype, a, b, scale, b2=None, scale2=None):
     from djax.kernels.fp8_quant_triton import launch_torch
 
     second = None if b2 is None else (_torch(b2), _torch(scale2))
-    out = launch_torch(_torch(a), _torch(b), _torch(scale), ue8m0, cfg, rounding, second)
+    out = launch_torch(_torch(a), _torch(b), _torch(scale), ue8m0, cfg, rounding, second, markstein)
     return out.numpy().astype(out_dtype)
 
 

@@ -22,11 +22,13 @@ rounded to e4m3 in float32 arithmetic, as the interpreter runs it: it does not r
 the first's slow twin).
 
 Scales: with UE8M0 (powers of two) a / scale is a multiplication by the scale's exact inverse; with plain
-scales an IEEE division. Masked activations (rows past M, blocks past K) load as ones rather than zeros: a
-zero divided by the floor scale takes the division's slow path, and at one row 15 of a 16-row tile's rows
-are masked; on an H100 that made the plain-scale kernel 1.2-1.9x slower than quantizing before the GEMM, and
-with ones it is faster at every V4-Flash projection shape at 1, 8 and 16 rows (at 1 and 8 rows timed on
-unswapped 16-row tiles; djax/kernels/NOTES.md).
+scales the IEEE quotient, by default (`MARKSTEIN`) from one correctly rounded reciprocal a row and two fmas an
+element (`_markstein_div`) instead of a division an element, the reciprocal by a Newton step from the hardware's
+approximation (`NEWTON`, `_reciprocal`): no division in the kernel. Masked activations (rows past M, blocks past K)
+load as ones rather than zeros: a zero divided by the floor scale takes the division's slow path, and at one
+row 15 of a 16-row tile's rows are masked; on an H100 that made the plain-scale kernel 1.2-1.9x slower than
+quantizing before the GEMM, and with ones it is faster at every V4-Flash projection shape at 1, 8 and 16 rows
+(at 1 and 8 rows timed on unswapped 16-row tiles; djax/kernels/NOTES.md).
 
 Split-K as in `fp8_gemm_triton`: program (tile, s) sums the s-th run of K blocks into the float32 partial
 c[s]; the caller sums c over its first axis.
@@ -85,6 +87,15 @@ SWAPPED_CFG = replace(QUANT_CFG, block_m=8, swap_ab=True)
 SWAPPED_WIDE_CFG = replace(QUANT_CFG, num_stages=4, swap_ab=True)
 SWAPPED_MAX_ROWS = 32  # the dot swapped up to here: 8-row tiles up to 8 rows, then 16- and 32-row ones
 SPLITS = (1, 2, 4, 8, 16)
+# Plain scales: a / scale by `_markstein_div` (one reciprocal a row, the IEEE division's bits) rather than
+# `div.rn` on every element, and (NEWTON) that reciprocal by `_reciprocal`'s Newton step, no division at all
+# (compiled kernels only); read when a call is traced (`constexprs`). H100, 2026-12-07, device time, V4-Flash's
+# six projection shapes at their default tiles, two alternating rounds (`fp8_quant_gemm_h100_newton_ab.json`):
+# at 32 rows the IEEE division took 7.44-24.17 us, Markstein's quotient 6.01-18.55, with the Newton reciprocal
+# 5.69-18.52 (4096 x 8192: 23.79 / 24.17 against 18.52 / 18.39; 512 x 4096: 7.44 / 7.46 against 5.69 / 5.69),
+# UE8M0 scales (a product, no quotient) 5.47-18.25; at one row 4.83-16.58, 4.53-16.03 and 4.41-15.85.
+MARKSTEIN = True
+NEWTON = True
 
 
 def quant_config(m: int, n: int, k: int) -> QuantConfig:
@@ -131,11 +142,12 @@ def _pow2_inverse(s):
 
 
 @triton.jit
-def quantize_block(a, UE8M0: tl.constexpr, MARKSTEIN: tl.constexpr = False):
+def quantize_block(a, UE8M0: tl.constexpr, MARKSTEIN: tl.constexpr = False, NEWTON: tl.constexpr = False):
     """`fp8_gemm_ref.quantize_act` of a float32 [rows, 128] block: each row's scale and a / scale, not yet
     rounded to e4m3 (the caller casts, or `_round_e4m3`s in the interpreter). amax times float32(1 / 448), and an
     IEEE division; UE8M0: a power of two (amax floored at 1e-4), so dividing is multiplying by its exact inverse.
-    MARKSTEIN: the same quotient from one correctly rounded reciprocal a row (`_markstein_div`)."""
+    MARKSTEIN: the same quotient from one correctly rounded reciprocal a row (`_markstein_div`); NEWTON: that
+    reciprocal without a division (`_reciprocal`)."""
     amax = tl.max(tl.abs(a), axis=1)
     if UE8M0:
         s = _pow2_ceil(tl.maximum(amax, 1e-4) * (1.0 / 448.0))
@@ -143,14 +155,38 @@ def quantize_block(a, UE8M0: tl.constexpr, MARKSTEIN: tl.constexpr = False):
     else:
         s = tl.maximum(amax, 1e-12) * (1.0 / 448.0)
         if MARKSTEIN:
-            q = _markstein_div(a, s)
+            q = _markstein_div(a, s, NEWTON)
         else:
             q = tl.math.div_rn(a, s[:, None])
     return q, s
 
 
 @triton.jit
-def _markstein_div(a, s):
+def _reciprocal(s, NEWTON: tl.constexpr):
+    """RN(1 / s) for positive float32 s (normal, or infinite: 0). NEWTON: the hardware's approximate reciprocal
+    (`rcp.approx.ftz.f32`) and one Newton step in fmas, e = RN(1 - s * y0) (exact), y = RN(y0 + e * y0): no
+    division and no slow path. It gave the correctly rounded reciprocal on every float32 significand, in seven
+    binades from 2^-49 to 2^119, on an H100 (2026-12-07, `test_gpu_newton_reciprocal_is_correctly_rounded`).
+    Compiled kernels only: the interpreter has no PTX. Else the IEEE division."""
+    one = tl.full(s.shape, 1.0, tl.float32)
+    if NEWTON:
+        y0 = tl.inline_asm_elementwise(
+            "rcp.approx.ftz.f32 $0, $1;", "=f,f", [s], dtype=tl.float32, is_pure=True, pack=1
+        )
+        return tl.where(y0 == 0.0, y0, tl.fma(tl.fma(-s, y0, one), y0, y0))  # s infinite: 0, as 1 / s
+    else:
+        return tl.math.div_rn(one, s)
+
+
+@triton.jit
+def reciprocal_kernel(s_ptr, y_ptr, NEWTON: tl.constexpr):
+    """y = `_reciprocal(s, NEWTON)` over 1,024 values a program: what the tests hold the Newton step to."""
+    i = tl.program_id(0) * 1024 + tl.arange(0, 1024)
+    tl.store(y_ptr + i, _reciprocal(tl.load(s_ptr + i), NEWTON))
+
+
+@triton.jit
+def _markstein_div(a, s, NEWTON: tl.constexpr = False):
     """a / s[:, None] correctly rounded, as the IEEE division, with one division a row instead of one an element:
     y = RN(1 / s); q0 = RN(a * y); the residual a - q0 * s is exact in one fma, and RN(q0 + residual * y) is the
     rounded quotient (Markstein's theorem, for a correctly rounded reciprocal and no underflow: s is a positive
@@ -158,7 +194,7 @@ def _markstein_div(a, s):
     the float32 quotient may be an ulp off, but it is under 2^-60 and rounds to an e4m3 zero either way).
     Where q0 is zero (a is zero or tiny, or s infinite and the residual NaN) q0 is the answer, with the
     quotient's sign."""
-    y = tl.math.div_rn(tl.full(s.shape, 1.0, tl.float32), s)[:, None]
+    y = _reciprocal(s, NEWTON)[:, None]
     q0 = a * y
     q = tl.fma(tl.fma(-q0, s[:, None], a), y, q0)
     return tl.where(q0 == 0.0, q0, q)
@@ -182,6 +218,8 @@ def _quant_gemm_program(
     BLOCK_N: tl.constexpr,
     SPLIT_K: tl.constexpr,
     SWAP_AB: tl.constexpr,
+    MARKSTEIN: tl.constexpr,
+    NEWTON: tl.constexpr,
 ):
     """One program's [BLOCK_M, BLOCK_N] tile over its split of K: a's rows quantized per 128 columns, the fp8
     dot, the promotion by both scales, the store."""
@@ -211,7 +249,7 @@ def _quant_gemm_program(
         a = tl.load(a_ptrs, mask=m_ok[:, None] & k_ok[None, :], other=1.0).to(tl.float32)
         b = tl.load(b_ptrs, mask=k_ok[None, :], other=0.0)
         sb_next = tl.load(bs_ptrs + tl.minimum(kb0 + i + 1, KB - 1))
-        q, sa = quantize_block(a, UE8M0)  # quantize_act: one scale per row and 128 columns
+        q, sa = quantize_block(a, UE8M0, MARKSTEIN, NEWTON)  # quantize_act: one scale per row and 128 columns
         if BITS:  # float32 operands (b's e4m3 values are exact in float32)
             q, b = _round_e4m3(q), b.to(tl.float32)
         else:
@@ -247,11 +285,30 @@ def fp8_quant_gemm_kernel(
     BLOCK_N: tl.constexpr,
     SPLIT_K: tl.constexpr,
     SWAP_AB: tl.constexpr,  # the dot as b a^T (weight rows the wgmma's 64-row side), the result transposed
+    MARKSTEIN: tl.constexpr,  # plain scales: one division a row (`_markstein_div`)
+    NEWTON: tl.constexpr,  # and that division by `_reciprocal`'s Newton step
 ):
     pid_m, pid_n = program_tile(N, BLOCK_N)
     n0 = pid_n * BLOCK_N
     _quant_gemm_program(
-        a_ptr, b_ptr, bs_ptr, c_ptr, pid_m, n0, n0, M, N, K, UE8M0, BITS, BLOCK_M, BLOCK_N, SPLIT_K, SWAP_AB
+        a_ptr,
+        b_ptr,
+        bs_ptr,
+        c_ptr,
+        pid_m,
+        n0,
+        n0,
+        M,
+        N,
+        K,
+        UE8M0,
+        BITS,
+        BLOCK_M,
+        BLOCK_N,
+        SPLIT_K,
+        SWAP_AB,
+        MARKSTEIN,
+        NEWTON,
     )
 
 
@@ -273,6 +330,8 @@ def fp8_quant_gemm_pair_kernel(
     BLOCK_N: tl.constexpr,
     SPLIT_K: tl.constexpr,
     SWAP_AB: tl.constexpr,
+    MARKSTEIN: tl.constexpr,
+    NEWTON: tl.constexpr,
 ):
     """Two projections of the same activations in one launch: the column tiles of the first weight, then those
     of the second (a tile never straddles them, N1 being a multiple of 128 and BLOCK_N dividing 128)."""
@@ -283,15 +342,40 @@ def fp8_quant_gemm_pair_kernel(
     else:
         w, ws, row = b2_ptr, bs2_ptr, n0 - N1
     _quant_gemm_program(
-        a_ptr, w, ws, c_ptr, pid_m, row, n0, M, N, K, UE8M0, BITS, BLOCK_M, BLOCK_N, SPLIT_K, SWAP_AB
+        a_ptr,
+        w,
+        ws,
+        c_ptr,
+        pid_m,
+        row,
+        n0,
+        M,
+        N,
+        K,
+        UE8M0,
+        BITS,
+        BLOCK_M,
+        BLOCK_N,
+        SPLIT_K,
+        SWAP_AB,
+        MARKSTEIN,
+        NEWTON,
     )
 
 
 def constexprs(
-    m: int, n: int, k: int, ue8m0: bool, rounding: str, cfg: Fp8Config, n1: int | None = None
+    m: int,
+    n: int,
+    k: int,
+    ue8m0: bool,
+    rounding: str,
+    cfg: Fp8Config,
+    n1: int | None = None,
+    markstein: bool | None = None,
 ) -> dict:
     """Compile-time constants of one shape; checks the shape and the config against the kernel's contract. n1:
-    the pair kernel's first weight's rows (of n in all)."""
+    the pair kernel's first weight's rows (of n in all); markstein: the plain scales' quotient by
+    `_markstein_div` (None: `MARKSTEIN`; UE8M0 scales never divide)."""
     if rounding not in ROUNDINGS:
         raise ValueError(f"rounding must be one of {ROUNDINGS}, got {rounding!r}")
     if n % 128 or k % 128:
@@ -312,21 +396,26 @@ def constexprs(
         BLOCK_N=cfg.block_n,
         SPLIT_K=split_k(cfg),
         SWAP_AB=bool(getattr(cfg, "swap_ab", False)),
+        MARKSTEIN=not ue8m0 and bool(MARKSTEIN if markstein is None else markstein),
     )
+    cx["NEWTON"] = cx["MARKSTEIN"] and rounding == "cast" and bool(NEWTON)  # compiled kernels only
     return cx if n1 is None else {**cx, "N1": n1}
 
 
-def launch_torch(a, b, scale, ue8m0: bool, cfg: Fp8Config, rounding: str = "bits", second=None):
+def launch_torch(
+    a, b, scale, ue8m0: bool, cfg: Fp8Config, rounding: str = "bits", second=None, markstein=None
+):
     """Runs the kernel on torch tensors (GPU, or CPU under TRITON_INTERPRET=1 with float32 stand-ins): a [m, K],
     b [N, K], scale float32 [N / 128, K / 128]; `second` (b2, scale2): the pair kernel, both products side by
-    side. Returns [m, N (+ N2)] in a's dtype, or with split_k(cfg) > 1 the f32 partials [split_k, m, ...] to be
+    side; markstein as `constexprs` (a caller that traced the call passes the value it read then). Returns
+    [m, N (+ N2)] in a's dtype, or with split_k(cfg) > 1 the f32 partials [split_k, m, ...] to be
     summed over the first axis."""
     import torch
 
     m, k = a.shape
     n1 = b.shape[0]
     n = n1 + (0 if second is None else second[0].shape[0])
-    cx = constexprs(m, n, k, ue8m0, rounding, cfg, None if second is None else n1)
+    cx = constexprs(m, n, k, ue8m0, rounding, cfg, None if second is None else n1, markstein)
     shape, dtype = (m, n), a.dtype
     if split_k(cfg) > 1:
         shape, dtype = (split_k(cfg), m, n), torch.float32

@@ -88,17 +88,20 @@ def takes_fp8_grouped(w) -> bool:
 # dequantisation into its own GEMM cheaply.
 FP8_WEIGHT_MAX_ROWS = 128
 # Rows up to which a `takes_fp8_gemm` weight runs as `fp8_quant_gemm`, the activations quantized inside the
-# GEMM, instead of `quantize_act` then `fp8_gemm`: 32 with UE8M0 scales (V4's), 16 with plain ones. H100,
+# GEMM, instead of `quantize_act` then `fp8_gemm`: 32 with UE8M0 scales (V4's) and with plain ones. H100,
 # 2026-12-06, device time, V4-Flash's six projection shapes (`fp8_quant_gemm_h100_swap_ab.json`,
 # `_swap_defaults_ab.json`): UE8M0, the kernel's default tiles at 1, 8, 16 and 32 rows 1.14-1.76x faster than the
 # two steps (15.92 against 18.98 us at 32768 x 1024, 32 rows); plain, 1.12-1.48x at 16 rows (default tiles) and
 # 1.09-1.40x at 1 and 8 (unswapped 16-row tiles), but at 32 rows 7% and 10% slower at 32768 x 1024 and 4096 x
-# 8192 (each row's IEEE divisions).
+# 8192 (each row's IEEE divisions). Since its quotient takes no division (`fp8_quant_triton.MARKSTEIN`,
+# `NEWTON`; H100, 2026-12-07, `fp8_quant_gemm_h100_newton_ab.json`, two rounds), plain at 32 rows 1.006-1.58x
+# faster than the two steps at all six shapes (18.52 / 18.39 against 18.62 / 18.52 us at 4096 x 8192, 8.85 /
+# 8.81 against 9.04 / 9.09 at 4096 x 2048, 5.69 against 8.98 / 8.97 at 512 x 4096).
 # The decode step at batch 1: with UE8M0 scales 1.49-1.54 ms against 1.66, 26 fewer kernels, the GPU's busy
 # time unchanged (`launches_h100_quant_gemm_ab.json`); with plain ones the GPU's busy time the same to 0.3%,
 # 26 fewer kernels (`launches_h100_quant_gemm_plain_ab.json`).
 FP8_QUANT_GEMM_MAX_ROWS = 32
-FP8_QUANT_GEMM_MAX_ROWS_PLAIN = 16
+FP8_QUANT_GEMM_MAX_ROWS_PLAIN = 32
 
 
 def fp8_weight_readable(w) -> bool:

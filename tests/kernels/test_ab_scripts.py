@@ -163,8 +163,14 @@ def test_fp8_quant_gemm_sweep_and_run(tmp_path, monkeypatch):
     where matplotlib is installed, the PNG written."""
     import ab_fp8_quant_gemm as ab
 
+    from djax.kernels import fp8_quant_triton as qk
     from djax.kernels.fp8_quant_triton import quant_config
 
+    before = (qk.MARKSTEIN, qk.NEWTON)
+    flags = ab.traced_with(lambda: (qk.MARKSTEIN, qk.NEWTON), MARKSTEIN=False, NEWTON=not qk.NEWTON)()
+    assert (
+        flags == (False, not before[1]) and (qk.MARKSTEIN, qk.NEWTON) == before
+    )  # set while traced, restored
     tiles = ab.sweep(1, 512, 4096)
     default = quant_config(1, 512, 4096)
     assert tiles and all(c != default for _, c in tiles)
@@ -184,7 +190,8 @@ def test_fp8_quant_gemm_sweep_and_run(tmp_path, monkeypatch):
     assert (row["m"], row["n"], row["k"]) == (2, 256, 256)
     names = set(row["rel_err"])
     assert {"two-step", "quant default", "quant default ue8m0", "bf16 weight"} <= names
-    assert len(names) == 6 and "quant m16 n64 s1 ue8m0" in names and res["copy_bw"] == 3e12
+    assert {"quant default ieee (before)", "quant default markstein div (before)"} <= names
+    assert len(names) == 8 and "quant m16 n64 s1 ue8m0" in names and res["copy_bw"] == 3e12
     assert all(row["rel_err"][n] == 0.0 for n in names if n != "bf16 weight")  # the same jnp reference
     assert set(row["rounds"][0]) == names and all(t > 0 for t in row["rounds"][0].values())
     pytest.importorskip("matplotlib")
@@ -193,7 +200,7 @@ def test_fp8_quant_gemm_sweep_and_run(tmp_path, monkeypatch):
 
 def test_fp8_quant_gemm_pairs_run(tmp_path, monkeypatch):
     """ab_fp8_quant_gemm --pairs on the CPU, where both variants take the references: two calls against one
-    pair call, UE8M0 and (up to 16 rows) plain scales, each checked against the two references and timed."""
+    pair call, UE8M0 and (up to 32 rows) plain scales, each checked against the two references and timed."""
     import ab_fp8_quant_gemm as ab
     import bench_kernels
 
@@ -204,7 +211,8 @@ def test_fp8_quant_gemm_pairs_run(tmp_path, monkeypatch):
     res = json.loads((tmp_path / "fp8_quant_gemm_pair_ab.json").read_text())
     (row,) = res["rows"]
     assert (row["m"], row["n"], row["n1"], row["k"]) == (2, 384, 256, 256)
-    names = {"two calls ue8m0", "pair ue8m0", "two calls plain", "pair plain"}
+    names = {"two calls ue8m0", "pair ue8m0", "two calls plain", "pair plain", "pair plain ieee (before)"}
+    names |= {"pair plain markstein div (before)"}
     assert set(row["rel_err"]) == names and all(e == 0.0 for e in row["rel_err"].values())
     assert set(row["rounds"][0]) == names and all(t > 0 for t in row["rounds"][0].values())
     pytest.importorskip("matplotlib")

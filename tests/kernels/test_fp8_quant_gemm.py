@@ -27,6 +27,7 @@ from djax.kernels.fp8_quant_triton import (
     quant_config,
 )
 from djax.quant import pow2_ceil, quantize
+from tests.fp8_numpy import hard_rows, quantize_f32
 
 SMALL = Fp8Config(block_m=16, block_n=32, block_k=128, num_warps=4, num_stages=1)
 SMALL_SWAPPED = QuantConfig(block_m=16, block_n=32, block_k=128, num_warps=4, num_stages=1, swap_ab=True)
@@ -194,6 +195,64 @@ def test_kernel_quantizes_exactly_as_quantize_act(ue8m0, cfg):
     eye, ones = _identity_weight(256)
     got = np.asarray(fp8_quant_gemm(a, eye, ones, ue8m0, impl="interpret", cfg=cfg))
     np.testing.assert_array_equal(got, _quantized(a, ue8m0))
+
+
+def _rule_times_scale(x):
+    """What the kernel returns against the identity with plain scales: each value's e4m3 quotient by the rule
+    (`quantize_f32`: numpy's IEEE division) times its row's scale, in float32."""
+    q, s = quantize_f32(x)
+    return q.astype(np.float32) * np.repeat(s, 128, 1)
+
+
+def _hard_gemm_rows(seed, m, k):
+    """`hard_rows` without its infinity's row (row 5: the dot spreads its NaN over the whole output row)."""
+    return np.delete(hard_rows(seed, m + 1, k), 5, axis=0)
+
+
+@needs_triton_interp
+@pytest.mark.parametrize("cfg", [SMALL, SMALL_SWAPPED])
+def test_interpreted_markstein_quotient_is_the_division(cfg, monkeypatch):
+    """Plain scales, `fp8_quant_triton.MARKSTEIN` (one reciprocal a row and two fmas) and the IEEE division:
+    against the identity both give the rule's quotients exactly on `hard_rows` (quotients at e4m3 rounding
+    midpoints, zeros, negative zeros, subnormals, rows under the amax floor, scales from 1e-14 to 1e30). The
+    rule's, not `quantize_act`'s: XLA's CPU backend turns that division into a product with the reciprocal,
+    which rounds some of these quotients the other way."""
+    from djax.kernels import fp8_quant_triton as qk
+
+    x = _hard_gemm_rows(8, 23, 256)
+    eye, ones = _identity_weight(256)
+    for markstein in (False, True):
+        monkeypatch.setattr(qk, "MARKSTEIN", markstein)
+        got = fp8_quant_gemm(jnp.asarray(x), eye, ones, False, impl="interpret", cfg=cfg)
+        np.testing.assert_array_equal(np.asarray(got), _rule_times_scale(x), err_msg=f"markstein {markstein}")
+
+
+@needs_triton_interp
+def test_interpreted_markstein_is_read_when_traced(monkeypatch):
+    """The interpreter's callback runs after tracing: it launches with `MARKSTEIN` as it was when the call was
+    traced."""
+    from djax.kernels import fp8_quant_triton as qk
+
+    seen = []
+    real = qk.launch_torch
+    monkeypatch.setattr(qk, "launch_torch", lambda *a: seen.append(_markstein_given(a)) or real(*a))
+    rng = np.random.default_rng(2)
+    a, w = _acts(rng, 3, 256), _weight(rng, 128, 256)
+
+    def traced_without(a, v, s):
+        monkeypatch.setattr(qk, "MARKSTEIN", False)
+        try:
+            return fp8_quant_gemm(a, v, s, impl="interpret", cfg=SMALL)
+        finally:
+            monkeypatch.setattr(qk, "MARKSTEIN", True)
+
+    jax.block_until_ready(jax.jit(traced_without)(a, w.values, w.scale))
+    assert seen == [False] and qk.MARKSTEIN
+
+
+def _markstein_given(args):
+    """The `markstein` that `launch_torch(a, b, scale, ue8m0, cfg, rounding, second, markstein)` was given."""
+    return args[7]
 
 
 @triton.jit
@@ -391,3 +450,47 @@ def test_gpu_kernel_quantizes_exactly_as_quantize_act(ue8m0, cfg):
     eye, ones = _identity_weight(512)
     got = np.asarray(fp8_quant_gemm(a, eye, ones, ue8m0, impl="triton", cfg=cfg))
     np.testing.assert_array_equal(got, _quantized(a, ue8m0))
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("m", [1, 8, 16, 32, 64])
+@pytest.mark.parametrize("markstein", [False, True])
+def test_gpu_markstein_quotient_is_the_division(m, markstein, monkeypatch):
+    """On a CUDA GPU, plain scales at each row count's default tiles: with `MARKSTEIN` and with the IEEE
+    division the kernel returns the rule's quotients times their scales exactly against the identity, on
+    `hard_rows` (e4m3 midpoints and corner values), float32 in and out (at 64 rows on three stages: six of
+    float32 tiles overflow shared memory)."""
+    from djax.kernels import fp8_quant_triton as qk
+
+    x = _hard_gemm_rows(9, 64, 2048)[:m] if m > 1 else _hard_gemm_rows(9, 8, 2048)[6:7]
+    eye, ones = _identity_weight(2048)
+    cfg = quant_config(m, 2048, 2048)
+    cfg = replace(cfg, num_stages=3) if m > 32 else cfg
+    monkeypatch.setattr(qk, "MARKSTEIN", markstein)
+    got = jax.jit(lambda a, b, s: fp8_quant_gemm(a, b, s, impl="triton", cfg=cfg))(jnp.asarray(x), eye, ones)
+    np.testing.assert_array_equal(np.asarray(got), _rule_times_scale(x))
+
+
+@pytest.mark.gpu
+def test_gpu_newton_reciprocal_is_correctly_rounded():
+    """`fp8_quant_triton._reciprocal`'s Newton step from the hardware's approximate reciprocal gives numpy's
+    IEEE 1 / s, bit for bit, on every float32 significand (2^23) in binades from the plain scales' floor
+    (1e-12 / 448, about 2^-49) to their ceiling (float32's largest / 448, about 2^119), and 0 for an
+    infinite s; the kernel's division (NEWTON off) too."""
+    from djax.ffi import cubin
+    from djax.kernels import fp8_quant_triton as qk
+
+    significands = (np.arange(2**23, dtype=np.uint32) | np.uint32(127 << 23)).view(np.float32)  # [1, 2)
+    s = np.concatenate([significands * np.float32(2.0**e) for e in (-49, -20, -1, 0, 1, 64, 119)])
+    s = np.concatenate([s, np.full(1024, np.inf, np.float32)])
+    want = np.float32(1.0) / s
+    for newton in (True, False):
+        kern = cubin.compile_triton(
+            qk.reciprocal_kernel, ["s_ptr", "y_ptr"], [jnp.float32] * 2, {"NEWTON": newton}
+        )
+        out = jax.ShapeDtypeStruct(s.shape, jnp.float32)
+        got = jax.jit(lambda v, k=kern, o=out: cubin.launch(k, (s.size // 1024,), [v], [o])[0])(
+            jnp.asarray(s)
+        )
+        bad = np.flatnonzero(np.asarray(got).view(np.uint32) != want.view(np.uint32))
+        assert bad.size == 0, f"newton {newton}: {bad.size} of {s.size} differ, e.g. 1 / {s[bad[:4]]}"

@@ -5,15 +5,13 @@ SwiGLU, within one e4m3 step with it (its exp is not XLA's)."""
 
 import jax
 import jax.numpy as jnp
-import ml_dtypes
 import numpy as np
 import pytest
 from checks import needs_triton_interp
 
 from djax.kernels import row_quant_triton
 from djax.kernels.row_quant import quantize_rows, quantize_rows_ref
-
-E4M3 = ml_dtypes.float8_e4m3fn
+from tests.fp8_numpy import hard_rows, quantize_f32
 
 
 def _inputs(seed, r, n, m, dtype=jnp.bfloat16):
@@ -42,22 +40,6 @@ def _np_rows(x, src, up=None, limit=0.0):
     return np.where(live[:, None], rows, 0.0)
 
 
-def _np_quantize(rows, ue8m0):
-    """The 1 x 128 rule in float32 as stated: scale = amax times float32(1 / 448) (amax floored at 1e-12), or
-    with UE8M0 max(amax, 1e-4) times it rounded up to a power of two; values rows / scale rounded to e4m3."""
-    m, n = rows.shape
-    g = rows.astype(np.float32).reshape(m, n // 128, 128)
-    amax = np.abs(g).max(-1)
-    if ue8m0:
-        s = np.maximum(amax, np.float32(1e-4)) * np.float32(1 / 448)
-        mant, ex = np.frexp(s.astype(np.float64))
-        s = np.ldexp(1.0, np.where(mant == 0.5, ex - 1, ex)).astype(np.float32)
-    else:
-        s = np.maximum(amax, np.float32(1e-12)) * np.float32(1 / 448)
-    q = (g / s[..., None]).astype(E4M3).reshape(m, n)
-    return q, s
-
-
 def _bits(q):
     return np.asarray(q).view(np.uint8)
 
@@ -76,7 +58,7 @@ def test_ref_matches_numpy(ue8m0):
     """Gathered rows quantized bit for bit as the stated rule; zero rows for the out-of-range indices."""
     x, _, src = _inputs(1, 50, 384, 90)
     q, s = jax.jit(quantize_rows_ref, static_argnums=2)(x, src, ue8m0)
-    want_q, want_s = _np_quantize(_np_rows(x, np.asarray(src)), ue8m0)
+    want_q, want_s = quantize_f32(_np_rows(x, np.asarray(src)), ue8m0)
     np.testing.assert_array_equal(np.asarray(s), want_s)
     np.testing.assert_array_equal(_bits(q), _bits(want_q))
     assert not np.asarray(q, np.float32)[:4].any() and np.asarray(q, np.float32)[4:].any()
@@ -88,7 +70,7 @@ def test_ref_swiglu_within_one_step_of_numpy(ue8m0):
     x, up, src = _inputs(2, 50, 256, 90)
     q, s = quantize_rows_ref(x, src, ue8m0, up=up, limit=4.0)
     rows = _np_rows(x, np.asarray(src), up, 4.0)
-    want_q, want_s = _np_quantize(rows, ue8m0)
+    want_q, want_s = quantize_f32(rows, ue8m0)
     _within_one_step(q, s, want_q, want_s)
 
 
@@ -133,34 +115,10 @@ def test_interpreted_kernel_skips_runs_of_empty_rows():
     assert not q[:4].any() and q[4:b].any()  # out-of-range rows in a live program: zeros
 
 
-def _hard_rows(seed, r, n=256):
-    """float32 rows whose quotients by their scale sit within a few ulps of e4m3 rounding midpoints (ties
-    included), over scales from 1e-14 to 1e30 (and one row on the amax floor); with zeros, negative zeros, subnormals, tiny values beside
-    large ones, rows of one value, and a row with an infinity (its scale infinite: the finite values give 0,
-    the infinity NaN)."""
-    rng = np.random.default_rng(seed)
-    e4m3 = np.unique(np.abs(np.arange(256, dtype=np.uint8).view(E4M3).astype(np.float64)))
-    e4m3 = e4m3[np.isfinite(e4m3)]
-    mids = (e4m3[1:] + e4m3[:-1]) / 2
-    scale = 10.0 ** rng.uniform(-14, 30, (r, 1))
-    q = rng.choice(np.concatenate([mids, e4m3]), (r, n)) * rng.choice([-1, 1], (r, n))
-    x = (q * scale).astype(np.float32)
-    ulps = rng.integers(-3, 4, (r, n)).astype(np.int32)
-    x = (x.view(np.int32) + np.where(x != 0, ulps, 0)).view(np.float32)  # a few ulps either side
-    x[:, 0] = 448 * scale[:, 0]  # amax near 448 scales
-    x[0, :] = 0.0
-    x[1, 1::2] = -0.0
-    x[2, 5:] = np.float32(1e-42) * rng.choice([-1, 1], n - 5)  # subnormals beside a normal amax
-    x[3, :] = np.float32(1e-15)  # below the amax floor
-    x[4, :] = -3.0
-    x[5, 7] = np.inf
-    return x
-
-
 def _assert_rule_bits(q, s, x):
-    """q and s are `_np_quantize`'s of rows x (numpy's IEEE division), bit for bit; NaN where it has NaN (a NaN's
+    """q and s are `quantize_f32`'s of rows x (numpy's IEEE division), bit for bit; NaN where it has NaN (a NaN's
     sign bit aside)."""
-    want_q, want_s = _np_quantize(np.asarray(x, np.float32), False)
+    want_q, want_s = quantize_f32(np.asarray(x, np.float32), False)
     np.testing.assert_array_equal(np.asarray(s), want_s)
     got, want = np.asarray(q, np.float32), want_q.astype(np.float32)
     np.testing.assert_array_equal(np.isnan(got), np.isnan(want))
@@ -171,14 +129,14 @@ def _assert_rule_bits(q, s, x):
 @needs_triton_interp
 def test_interpreted_markstein_quotient_is_the_division(monkeypatch):
     """`row_quant.MARKSTEIN` (one reciprocal a row and two fmas for the plain scales' division) and the IEEE
-    division: the rule's bits on quotients at e4m3 rounding midpoints and on the corner values of `_hard_rows`.
+    division: the rule's bits on quotients at e4m3 rounding midpoints and on the corner values of `hard_rows`.
     The rule's, not `quantize_rows_ref`'s: XLA's CPU backend turns that division into a product with the
     reciprocal, which rounds some of these quotients the other way."""
     from djax.kernels import row_quant
 
-    x = _hard_rows(8, 48)
+    x = hard_rows(8, 48)
     src = jnp.arange(48, dtype=jnp.int32)
-    assert np.isnan(_np_quantize(x, False)[0][5].astype(np.float32)).sum() == 1  # the infinity's row
+    assert np.isnan(quantize_f32(x, False)[0][5].astype(np.float32)).sum() == 1  # the infinity's row
     for markstein in (False, True):
         monkeypatch.setattr(row_quant, "MARKSTEIN", markstein)
         q, s = quantize_rows(jnp.asarray(x), src, impl="interpret")
@@ -246,11 +204,11 @@ def test_kernel_on_gpu_is_the_reference(ue8m0):
 @pytest.mark.parametrize("markstein", [False, True])
 def test_markstein_quotient_on_gpu_is_the_division(markstein, monkeypatch):
     """On a CUDA GPU, plain scales: the kernel with the IEEE division and with `row_quant.MARKSTEIN` give the
-    rule's bits on `_hard_rows` (midpoints, corner values; 4,096 rows at V4-Flash's width, gathered in a
+    rule's bits on `hard_rows` (midpoints, corner values; 4,096 rows at V4-Flash's width, gathered in a
     shuffled order)."""
     from djax.kernels import row_quant
 
-    x = _hard_rows(9, 4096, 4096)
+    x = hard_rows(9, 4096, 4096)
     order = np.random.default_rng(9).permutation(4096).astype(np.int32)
     monkeypatch.setattr(row_quant, "MARKSTEIN", markstein)
     q, s = jax.jit(lambda a, i: quantize_rows(a, i, impl="triton"))(jnp.asarray(x), jnp.asarray(order))

@@ -84,7 +84,7 @@ def test_linear_quantizes_inside_the_gemm_for_few_rows(scale_fmt, monkeypatch):
         jax.random.normal(jax.random.key(4), (256, 256), jnp.float32) * 0.05 * uneven, scale_fmt=scale_fmt
     )
     limit = FP8_QUANT_GEMM_MAX_ROWS if scale_fmt else FP8_QUANT_GEMM_MAX_ROWS_PLAIN
-    assert (FP8_QUANT_GEMM_MAX_ROWS, FP8_QUANT_GEMM_MAX_ROWS_PLAIN) == (32, 16)
+    assert (FP8_QUANT_GEMM_MAX_ROWS, FP8_QUANT_GEMM_MAX_ROWS_PLAIN) == (32, 32)
     for rows, path in ((1, "fp8_quant_gemm"), (limit, "fp8_quant_gemm"), (limit + 1, "fp8_gemm")):
         x = jax.random.normal(jax.random.key(rows), (rows, 256), jnp.float32) * jnp.linspace(0.1, 4.0, 256)
         calls.clear()
