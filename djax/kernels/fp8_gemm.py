@@ -179,7 +179,8 @@ def _quant_gemm(a, weights: list, ue8m0: bool, impl: str, cfg, rounding: str | N
     cfg = cfg or qk.quant_config(m, n, k)
     rounding = rounding or ("bits" if impl == "interpret" else "cast")
     # checks the config at trace time, before any callback
-    cx = qk.constexprs(m, n, k, ue8m0, rounding, cfg, weights[0][0].shape[0] if pair else None)
+    newton = False if impl == "interpret" else None  # the Newton step's PTX runs compiled only
+    cx = qk.constexprs(m, n, k, ue8m0, rounding, cfg, weights[0][0].shape[0] if pair else None, newton=newton)
     splits = split_k(cfg)
     out = _result((m, n), a.dtype, splits)
     args = [a] + [x for w, scale in weights for x in (w, scale.astype(jnp.float32))]

@@ -163,11 +163,14 @@ def quantize_block(a, UE8M0: tl.constexpr, MARKSTEIN: tl.constexpr = False, NEWT
 
 @triton.jit
 def _reciprocal(s, NEWTON: tl.constexpr):
-    """RN(1 / s) for positive float32 s (normal, or infinite: 0). NEWTON: the hardware's approximate reciprocal
-    (`rcp.approx.ftz.f32`) and one Newton step in fmas, e = RN(1 - s * y0) (exact), y = RN(y0 + e * y0): no
+    """RN(1 / s) for float32 s in [2^-126, 2^126] (1 / s normal too) or infinite (0); the kernel's plain scales
+    lie in [2^-49, 2^120). NEWTON: the hardware's approximate reciprocal (`rcp.approx.ftz.f32`, whose flush to
+    zero never applies there) and one Newton step in fmas, e = RN(1 - s * y0) (exact), y = RN(y0 + e * y0): no
     division and no slow path. It gave the correctly rounded reciprocal on every float32 significand, in seven
-    binades from 2^-49 to 2^119, on an H100 (2026-12-07, `test_gpu_newton_reciprocal_is_correctly_rounded`).
-    Compiled kernels only: the interpreter has no PTX. Else the IEEE division."""
+    binades from 2^-49 to 2^119, on an H100 (2026-12-07, `test_gpu_newton_reciprocal_is_correctly_rounded`);
+    with input and output normal, the approximation and the step depend on the significand alone, the exponent
+    only scaling them by a power of two. Compiled kernels only: the interpreter has no PTX. Else the IEEE
+    division."""
     one = tl.full(s.shape, 1.0, tl.float32)
     if NEWTON:
         y0 = tl.inline_asm_elementwise(
@@ -187,11 +190,12 @@ def reciprocal_kernel(s_ptr, y_ptr, NEWTON: tl.constexpr):
 
 @triton.jit
 def _markstein_div(a, s, NEWTON: tl.constexpr = False):
-    """a / s[:, None] correctly rounded, as the IEEE division, with one division a row instead of one an element:
-    y = RN(1 / s); q0 = RN(a * y); the residual a - q0 * s is exact in one fma, and RN(q0 + residual * y) is the
-    rounded quotient (Markstein's theorem, for a correctly rounded reciprocal and no underflow: s is a positive
-    normal >= 1e-12 / 448 and |a / s| <= 448; where |a| is so small that the residual underflows, about 2^-108,
-    the float32 quotient may be an ulp off, but it is under 2^-60 and rounds to an e4m3 zero either way).
+    """a / s[:, None] correctly rounded, as the IEEE division, with one reciprocal a row instead of a division an
+    element: y = RN(1 / s) (`_reciprocal`); q0 = RN(a * y); the residual a - q0 * s is exact in one fma, and
+    RN(q0 + residual * y) is the rounded quotient (Markstein's theorem, for a correctly rounded reciprocal and no
+    underflow: s is a positive normal >= 1e-12 / 448 and |a / s| <= 448; where |a| is below about 2^-102 the
+    residual may underflow and the float32 quotient be an ulp off, but it is then under 2^-52 and rounds to an
+    e4m3 zero either way).
     Where q0 is zero (a is zero or tiny, or s infinite and the residual NaN) q0 is the answer, with the
     quotient's sign."""
     y = _reciprocal(s, NEWTON)[:, None]
@@ -285,7 +289,7 @@ def fp8_quant_gemm_kernel(
     BLOCK_N: tl.constexpr,
     SPLIT_K: tl.constexpr,
     SWAP_AB: tl.constexpr,  # the dot as b a^T (weight rows the wgmma's 64-row side), the result transposed
-    MARKSTEIN: tl.constexpr,  # plain scales: one division a row (`_markstein_div`)
+    MARKSTEIN: tl.constexpr,  # plain scales: one reciprocal a row (`_markstein_div`)
     NEWTON: tl.constexpr,  # and that division by `_reciprocal`'s Newton step
 ):
     pid_m, pid_n = program_tile(N, BLOCK_N)
@@ -372,10 +376,12 @@ def constexprs(
     cfg: Fp8Config,
     n1: int | None = None,
     markstein: bool | None = None,
+    newton: bool | None = None,
 ) -> dict:
     """Compile-time constants of one shape; checks the shape and the config against the kernel's contract. n1:
     the pair kernel's first weight's rows (of n in all); markstein: the plain scales' quotient by
-    `_markstein_div` (None: `MARKSTEIN`; UE8M0 scales never divide)."""
+    `_markstein_div` (None: `MARKSTEIN`; UE8M0 scales never divide); newton: its reciprocal by `_reciprocal`'s
+    Newton step (None: `NEWTON`), whose PTX only a compiled kernel runs: an interpreted call passes False."""
     if rounding not in ROUNDINGS:
         raise ValueError(f"rounding must be one of {ROUNDINGS}, got {rounding!r}")
     if n % 128 or k % 128:
@@ -398,16 +404,17 @@ def constexprs(
         SWAP_AB=bool(getattr(cfg, "swap_ab", False)),
         MARKSTEIN=not ue8m0 and bool(MARKSTEIN if markstein is None else markstein),
     )
-    cx["NEWTON"] = cx["MARKSTEIN"] and rounding == "cast" and bool(NEWTON)  # compiled kernels only
+    cx["NEWTON"] = cx["MARKSTEIN"] and bool(NEWTON if newton is None else newton)
     return cx if n1 is None else {**cx, "N1": n1}
 
 
 def launch_torch(
-    a, b, scale, ue8m0: bool, cfg: Fp8Config, rounding: str = "bits", second=None, markstein=None
+    a, b, scale, ue8m0: bool, cfg: Fp8Config, rounding: str = "bits", second=None, markstein=None, newton=None
 ):
     """Runs the kernel on torch tensors (GPU, or CPU under TRITON_INTERPRET=1 with float32 stand-ins): a [m, K],
     b [N, K], scale float32 [N / 128, K / 128]; `second` (b2, scale2): the pair kernel, both products side by
-    side; markstein as `constexprs` (a caller that traced the call passes the value it read then). Returns
+    side; markstein and newton as `constexprs` (a caller that traced the call passes the values it read then;
+    newton None is off for tensors on the CPU, which the interpreter runs). Returns
     [m, N (+ N2)] in a's dtype, or with split_k(cfg) > 1 the f32 partials [split_k, m, ...] to be
     summed over the first axis."""
     import torch
@@ -415,7 +422,8 @@ def launch_torch(
     m, k = a.shape
     n1 = b.shape[0]
     n = n1 + (0 if second is None else second[0].shape[0])
-    cx = constexprs(m, n, k, ue8m0, rounding, cfg, None if second is None else n1, markstein)
+    newton = (None if a.is_cuda else False) if newton is None else newton
+    cx = constexprs(m, n, k, ue8m0, rounding, cfg, None if second is None else n1, markstein, newton)
     shape, dtype = (m, n), a.dtype
     if split_k(cfg) > 1:
         shape, dtype = (split_k(cfg), m, n), torch.float32

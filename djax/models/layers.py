@@ -95,7 +95,8 @@ FP8_WEIGHT_MAX_ROWS = 128
 # 1.09-1.40x at 1 and 8 (unswapped 16-row tiles), but at 32 rows 7% and 10% slower at 32768 x 1024 and 4096 x
 # 8192 (each row's IEEE divisions). Since its quotient takes no division (`fp8_quant_triton.MARKSTEIN`,
 # `NEWTON`; H100, 2026-12-07, `fp8_quant_gemm_h100_newton_ab.json`, two rounds), plain at 32 rows 1.006-1.58x
-# faster than the two steps at all six shapes (18.52 / 18.39 against 18.62 / 18.52 us at 4096 x 8192, 8.85 /
+# faster than the two steps at the six shapes, even within noise at 4096 x 8192 (18.52 / 18.39 against 18.62 /
+# 18.52 us), faster at the rest (8.85 /
 # 8.81 against 9.04 / 9.09 at 4096 x 2048, 5.69 against 8.98 / 8.97 at 512 x 4096).
 # The decode step at batch 1: with UE8M0 scales 1.49-1.54 ms against 1.66, 26 fewer kernels, the GPU's busy
 # time unchanged (`launches_h100_quant_gemm_ab.json`); with plain ones the GPU's busy time the same to 0.3%,

@@ -214,7 +214,8 @@ def _hard_gemm_rows(seed, m, k):
 def test_interpreted_markstein_quotient_is_the_division(cfg, monkeypatch):
     """Plain scales, `fp8_quant_triton.MARKSTEIN` (one reciprocal a row and two fmas) and the IEEE division:
     against the identity both give the rule's quotients exactly on `hard_rows` (quotients at e4m3 rounding
-    midpoints, zeros, negative zeros, subnormals, rows under the amax floor, scales from 1e-14 to 1e30). The
+    midpoints, zeros, subnormals, rows under the amax floor, scales from 1e-14 to 1e30; a zero's sign does not
+    reach the output, whose sums start at +0: `test_row_quant.py` checks it by bits). The
     rule's, not `quantize_act`'s: XLA's CPU backend turns that division into a product with the reciprocal,
     which rounds some of these quotients the other way."""
     from djax.kernels import fp8_quant_triton as qk
@@ -345,6 +346,7 @@ def test_kernel_compiles_to_sm90_cubin_at_v4_flash_shapes(m, n, k, ue8m0, roundi
 
     cfg = quant_config(m, n, k)
     cx = qk.constexprs(m, n, k, ue8m0, rounding, cfg)
+    assert cx["MARKSTEIN"] == cx["NEWTON"] == (not ue8m0)  # the defaults: plain scales divide nowhere
     out = jnp.float32 if cfg.split_k > 1 else jnp.bfloat16
     dtypes = [jnp.bfloat16, jnp.float8_e4m3fn, jnp.float32, out]
     kern = compile_triton(
