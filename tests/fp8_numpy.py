@@ -41,9 +41,7 @@ def quantize_f32(rows, ue8m0: bool = False):
     g = rows.astype(np.float32).reshape(m, n // 128, 128)
     amax = np.abs(g).max(-1)
     if ue8m0:
-        s = np.maximum(amax, np.float32(1e-4)) * np.float32(1 / 448)
-        mant, ex = np.frexp(s.astype(np.float64))
-        s = np.ldexp(1.0, np.where(mant == 0.5, ex - 1, ex)).astype(np.float32)
+        s = pow2_ceil(np.maximum(amax, np.float32(1e-4)) * np.float32(1 / 448)).astype(np.float32)
     else:
         s = np.maximum(amax, np.float32(1e-12)) * np.float32(1 / 448)
     q = (g / s[..., None]).astype(ml_dtypes.float8_e4m3fn).reshape(m, n)

@@ -185,8 +185,7 @@ def _quant_gemm(a, weights: list, ue8m0: bool, impl: str, cfg, rounding: str | N
     out = _result((m, n), a.dtype, splits)
     args = [a] + [x for w, scale in weights for x in (w, scale.astype(jnp.float32))]
     if impl == "interpret":
-        markstein = cx["MARKSTEIN"]  # as traced: the callback runs later
-        host = lambda *h: _host_quant(ue8m0, cfg, rounding, markstein, out.dtype, *h)  # noqa: E731
+        host = lambda *h: _host_quant(cx, cfg, out.dtype, *h)  # noqa: E731  (cx as traced: the callback runs later)
         c = jax.pure_callback(interpreted(host), out, *args)
     else:
         names = ["a_ptr", "b_ptr", "bs_ptr"] + (["b2_ptr", "bs2_ptr"] if pair else []) + ["c_ptr"]
@@ -449,11 +448,11 @@ def _host_weight(block, cfg, decode, out_dtype, a, codes, scale):
     return out.numpy().astype(out_dtype)
 
 
-def _host_quant(ue8m0, cfg, rounding, markstein, out_dtype, a, b, scale, b2=None, scale2=None):
+def _host_quant(cx, cfg, out_dtype, a, b, scale, b2=None, scale2=None):
     from djax.kernels.fp8_quant_triton import launch_torch
 
     second = None if b2 is None else (_torch(b2), _torch(scale2))
-    out = launch_torch(_torch(a), _torch(b), _torch(scale), ue8m0, cfg, rounding, second, markstein)
+    out = launch_torch(_torch(a), _torch(b), _torch(scale), cx, cfg, second)
     return out.numpy().astype(out_dtype)
 
 

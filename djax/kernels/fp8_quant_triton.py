@@ -408,22 +408,18 @@ def constexprs(
     return cx if n1 is None else {**cx, "N1": n1}
 
 
-def launch_torch(
-    a, b, scale, ue8m0: bool, cfg: Fp8Config, rounding: str = "bits", second=None, markstein=None, newton=None
-):
-    """Runs the kernel on torch tensors (GPU, or CPU under TRITON_INTERPRET=1 with float32 stand-ins): a [m, K],
-    b [N, K], scale float32 [N / 128, K / 128]; `second` (b2, scale2): the pair kernel, both products side by
-    side; markstein and newton as `constexprs` (a caller that traced the call passes the values it read then;
-    newton None is off for tensors on the CPU, which the interpreter runs). Returns
-    [m, N (+ N2)] in a's dtype, or with split_k(cfg) > 1 the f32 partials [split_k, m, ...] to be
-    summed over the first axis."""
+def launch_torch(a, b, scale, cx: dict, cfg: Fp8Config, second=None):
+    """Runs the kernel with the constants `cx` (`constexprs`, which the operands must match; an interpreted
+    call's have NEWTON off) on torch tensors (GPU, or CPU under TRITON_INTERPRET=1 with float32 stand-ins): a
+    [M, K], b [N1, K] (N1 = N without `second`), scale float32 [N1 / 128, K / 128]; `second` (b2, scale2): the
+    pair kernel, both products side by side. cfg gives the launch's warps and stages. Returns [M, N] in a's
+    dtype, or with split_k(cfg) > 1 the f32 partials [split_k, M, N] to be summed over the first axis."""
     import torch
 
-    m, k = a.shape
-    n1 = b.shape[0]
-    n = n1 + (0 if second is None else second[0].shape[0])
-    newton = (None if a.is_cuda else False) if newton is None else newton
-    cx = constexprs(m, n, k, ue8m0, rounding, cfg, None if second is None else n1, markstein, newton)
+    m, n = cx["M"], cx["N"]
+    n2 = 0 if second is None else second[0].shape[0]
+    if tuple(a.shape) != (m, cx["K"]) or b.shape[0] + n2 != n or (second is None) != ("N1" not in cx):
+        raise ValueError(f"fp8_quant_gemm's kernel: a {tuple(a.shape)}, b {tuple(b.shape)} do not match {cx}")
     shape, dtype = (m, n), a.dtype
     if split_k(cfg) > 1:
         shape, dtype = (split_k(cfg), m, n), torch.float32

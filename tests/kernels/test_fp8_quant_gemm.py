@@ -157,14 +157,17 @@ def test_kernel_loads_and_stores_bf16():
     reference's bf16 result within one bf16 rounding."""
     import torch
 
-    from djax.kernels.fp8_quant_triton import launch_torch
+    from djax.kernels.fp8_quant_triton import constexprs, launch_torch
 
     rng = np.random.default_rng(9)
     a = _acts(rng, 5, 384, jnp.bfloat16, spread=(0.5, 2.0))
     w = _weight(rng, 256, 384)
     a_t = torch.from_numpy(np.array(a, np.float32)).to(torch.bfloat16)
     b_t = torch.from_numpy(np.array(w.values, np.float32))
-    got = launch_torch(a_t, b_t, torch.from_numpy(np.array(w.scale)), True, SMALL)
+    cx = constexprs(5, 256, 384, True, "bits", SMALL, newton=False)
+    got = launch_torch(a_t, b_t, torch.from_numpy(np.array(w.scale)), cx, SMALL)
+    with pytest.raises(ValueError, match="do not match"):  # operands other than the constants describe
+        launch_torch(a_t[:4], b_t, torch.from_numpy(np.array(w.scale)), cx, SMALL)
     assert got.dtype == torch.bfloat16
     want = fp8_quant_gemm(a, w.values, w.scale, True, impl="ref")
     assert_close(got.float().numpy(), want.astype(jnp.float32), 2**-8)
@@ -236,7 +239,7 @@ def test_interpreted_markstein_is_read_when_traced(monkeypatch):
 
     seen = []
     real = qk.launch_torch
-    monkeypatch.setattr(qk, "launch_torch", lambda *a: seen.append(_markstein_given(a)) or real(*a))
+    monkeypatch.setattr(qk, "launch_torch", lambda *a: seen.append(a[3]["MARKSTEIN"]) or real(*a))
     rng = np.random.default_rng(2)
     a, w = _acts(rng, 3, 256), _weight(rng, 128, 256)
 
@@ -249,11 +252,6 @@ def test_interpreted_markstein_is_read_when_traced(monkeypatch):
 
     jax.block_until_ready(jax.jit(traced_without)(a, w.values, w.scale))
     assert seen == [False] and qk.MARKSTEIN
-
-
-def _markstein_given(args):
-    """The `markstein` that `launch_torch(a, b, scale, ue8m0, cfg, rounding, second, markstein)` was given."""
-    return args[7]
 
 
 @triton.jit
