@@ -375,13 +375,12 @@ def constexprs(
     rounding: str,
     cfg: Fp8Config,
     n1: int | None = None,
-    markstein: bool | None = None,
     newton: bool | None = None,
 ) -> dict:
     """Compile-time constants of one shape; checks the shape and the config against the kernel's contract. n1:
-    the pair kernel's first weight's rows (of n in all); markstein: the plain scales' quotient by
-    `_markstein_div` (None: `MARKSTEIN`; UE8M0 scales never divide); newton: its reciprocal by `_reciprocal`'s
-    Newton step (None: `NEWTON`), whose PTX only a compiled kernel runs: an interpreted call passes False."""
+    the pair kernel's first weight's rows (of n in all). The plain scales' quotient is `_markstein_div`'s where
+    `MARKSTEIN` is on (UE8M0 scales never divide); newton: its reciprocal by `_reciprocal`'s Newton step (None:
+    `NEWTON`), whose PTX only a compiled kernel runs: an interpreted call passes False."""
     if rounding not in ROUNDINGS:
         raise ValueError(f"rounding must be one of {ROUNDINGS}, got {rounding!r}")
     if n % 128 or k % 128:
@@ -402,7 +401,7 @@ def constexprs(
         BLOCK_N=cfg.block_n,
         SPLIT_K=split_k(cfg),
         SWAP_AB=bool(getattr(cfg, "swap_ab", False)),
-        MARKSTEIN=not ue8m0 and bool(MARKSTEIN if markstein is None else markstein),
+        MARKSTEIN=not ue8m0 and MARKSTEIN,
     )
     cx["NEWTON"] = cx["MARKSTEIN"] and bool(NEWTON if newton is None else newton)
     return cx if n1 is None else {**cx, "N1": n1}

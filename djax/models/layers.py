@@ -88,7 +88,7 @@ def takes_fp8_grouped(w) -> bool:
 # dequantisation into its own GEMM cheaply.
 FP8_WEIGHT_MAX_ROWS = 128
 # Rows up to which a `takes_fp8_gemm` weight runs as `fp8_quant_gemm`, the activations quantized inside the
-# GEMM, instead of `quantize_act` then `fp8_gemm`: 32 with UE8M0 scales (V4's) and with plain ones. H100,
+# GEMM, instead of `quantize_act` then `fp8_gemm`, with UE8M0 scales (V4's) and plain ones alike. H100,
 # 2026-12-06, device time, V4-Flash's six projection shapes (`fp8_quant_gemm_h100_swap_ab.json`,
 # `_swap_defaults_ab.json`): UE8M0, the kernel's default tiles at 1, 8, 16 and 32 rows 1.14-1.76x faster than the
 # two steps (15.92 against 18.98 us at 32768 x 1024, 32 rows); plain, 1.12-1.48x at 16 rows (default tiles) and
@@ -102,7 +102,6 @@ FP8_WEIGHT_MAX_ROWS = 128
 # time unchanged (`launches_h100_quant_gemm_ab.json`); with plain ones the GPU's busy time the same to 0.3%,
 # 26 fewer kernels (`launches_h100_quant_gemm_plain_ab.json`).
 FP8_QUANT_GEMM_MAX_ROWS = 32
-FP8_QUANT_GEMM_MAX_ROWS_PLAIN = 32
 
 
 def fp8_weight_readable(w) -> bool:
@@ -132,9 +131,8 @@ def linear(x: jax.Array, w: jax.Array, fp8: str | None = None) -> jax.Array:
     With `fp8` (an impl of `djax.kernels.fp8_gemm`) and a weight `takes_fp8_gemm` accepts, the product runs
     as DeepSeek's inference runs it: x quantized to e4m3 per row and 128 columns (dynamic 1x128 scales,
     powers of two where the weight's scales are UE8M0, `has_ue8m0_scales`), then the block-scaled FP8
-    GEMM, which reads the narrow weight as stored; up to FP8_QUANT_GEMM_MAX_ROWS rows (UE8M0 scales) or
-    FP8_QUANT_GEMM_MAX_ROWS_PLAIN (plain) both in one kernel (`fp8_quant_gemm`). A weight `takes_fp8_weight_gemm` accepts (V4.1's 32 x 32
-    blocks) is read as stored by `fp8_weight_gemm` for up to FP8_WEIGHT_MAX_ROWS rows, x as it is: the
+    GEMM, which reads the narrow weight as stored; up to FP8_QUANT_GEMM_MAX_ROWS rows both in one kernel
+    (`fp8_quant_gemm`). A weight `takes_fp8_weight_gemm` accepts (V4.1's 32 x 32 blocks) is read as stored by `fp8_weight_gemm` for up to FP8_WEIGHT_MAX_ROWS rows, x as it is: the
     dense path's product without the dense copy. Otherwise, and for fp8 None, the weight is made dense in
     x's dtype first."""
     if fp8 is None or not isinstance(w, QArray):
@@ -145,7 +143,7 @@ def linear(x: jax.Array, w: jax.Array, fp8: str | None = None) -> jax.Array:
     # partitioned by rows: under a batch-split mesh each device runs the GEMM on its own rows
     if takes_fp8_gemm(w):
         ue8m0, scale = has_ue8m0_scales(w), w.scale.astype(jnp.float32)
-        if _quantized_inside(rows, w):
+        if _quantized_inside(rows):
             y = partition.fp8_quant_gemm(fp8)(rows, w.values, scale, ue8m0)
         else:
             from djax.kernels.fp8_gemm_ref import quantize_act
@@ -159,11 +157,10 @@ def linear(x: jax.Array, w: jax.Array, fp8: str | None = None) -> jax.Array:
     return y.reshape(*x.shape[:-1], y.shape[-1])
 
 
-def _quantized_inside(rows: jax.Array, w: QArray) -> bool:
-    """Whether `linear` runs w (`takes_fp8_gemm`) through `fp8_quant_gemm` for these rows: up to
-    FP8_QUANT_GEMM_MAX_ROWS with UE8M0 scales, FP8_QUANT_GEMM_MAX_ROWS_PLAIN with plain ones."""
-    limit = FP8_QUANT_GEMM_MAX_ROWS if has_ue8m0_scales(w) else FP8_QUANT_GEMM_MAX_ROWS_PLAIN
-    return rows.shape[0] <= limit
+def _quantized_inside(rows: jax.Array) -> bool:
+    """Whether `linear` runs a `takes_fp8_gemm` weight through `fp8_quant_gemm` for these rows: up to
+    FP8_QUANT_GEMM_MAX_ROWS, with either kind of scale."""
+    return rows.shape[0] <= FP8_QUANT_GEMM_MAX_ROWS
 
 
 def linear_pair(x: jax.Array, w, w2, fp8: str | None = None) -> tuple[jax.Array, jax.Array]:
@@ -172,7 +169,7 @@ def linear_pair(x: jax.Array, w, w2, fp8: str | None = None) -> tuple[jax.Array,
     at one row each of these small GEMMs took more time than its weight bytes need (`fp8_quant_triton`)."""
     pair = fp8 is not None and all(isinstance(v, QArray) and takes_fp8_gemm(v) for v in (w, w2))
     rows = x.reshape(-1, x.shape[-1])
-    if pair and has_ue8m0_scales(w) == has_ue8m0_scales(w2) and _quantized_inside(rows, w):
+    if pair and has_ue8m0_scales(w) == has_ue8m0_scales(w2) and _quantized_inside(rows):
         from djax.kernels import partition  # here: the kernel modules import Triton
 
         f32 = jnp.float32

@@ -16,7 +16,6 @@ from djax.kernels import fp8_gemm as kfp8
 from djax.models import deepseek_v4 as v4
 from djax.models.layers import (
     FP8_QUANT_GEMM_MAX_ROWS,
-    FP8_QUANT_GEMM_MAX_ROWS_PLAIN,
     FP8_WEIGHT_MAX_ROWS,
     grouped_linear,
     linear,
@@ -70,8 +69,7 @@ def test_linear_fp8_ref_matches_numpy(scale_fmt):
 
 @pytest.mark.parametrize("scale_fmt", [None, "ue8m0"])
 def test_linear_quantizes_inside_the_gemm_for_few_rows(scale_fmt, monkeypatch):
-    """UE8M0 weights at up to FP8_QUANT_GEMM_MAX_ROWS rows, plain ones up to FP8_QUANT_GEMM_MAX_ROWS_PLAIN:
-    one `fp8_quant_gemm` call (the activations quantized in the kernel, with the weight's kind of scale), no
+    """UE8M0 and plain weights at up to FP8_QUANT_GEMM_MAX_ROWS rows: one `fp8_quant_gemm` call (the activations quantized in the kernel, with the weight's kind of scale), no
     separate `fp8_gemm`; more rows take `quantize_act` then `fp8_gemm`. The numbers are the brute force's
     either way."""
     calls = []
@@ -83,8 +81,8 @@ def test_linear_quantizes_inside_the_gemm_for_few_rows(scale_fmt, monkeypatch):
     w = quantize(
         jax.random.normal(jax.random.key(4), (256, 256), jnp.float32) * 0.05 * uneven, scale_fmt=scale_fmt
     )
-    limit = FP8_QUANT_GEMM_MAX_ROWS if scale_fmt else FP8_QUANT_GEMM_MAX_ROWS_PLAIN
-    assert (FP8_QUANT_GEMM_MAX_ROWS, FP8_QUANT_GEMM_MAX_ROWS_PLAIN) == (32, 32)
+    limit = FP8_QUANT_GEMM_MAX_ROWS
+    assert limit == 32
     for rows, path in ((1, "fp8_quant_gemm"), (limit, "fp8_quant_gemm"), (limit + 1, "fp8_gemm")):
         x = jax.random.normal(jax.random.key(rows), (rows, 256), jnp.float32) * jnp.linspace(0.1, 4.0, 256)
         calls.clear()
