@@ -56,7 +56,6 @@ def test_kernel_table_sums_the_stream_kernels_only(tmp_path):
 
 def test_plot_draws_every_workload_from_a_result(tmp_path):
     """The PNG of a result with a refused option set (its error text in place of timings) among the others."""
-    pytest.importorskip("matplotlib")
     r = {"median_step_ms": 1.5, "host_issue_ms_per_step": 0.7, "step_ms": [1.5]}
     res = {
         "date": "2026-12-06",
@@ -177,7 +176,6 @@ def test_fresh_trace_dir_leaves_no_earlier_trace(tmp_path):
 
 def test_plot_runs_draws_each_run_beside_the_others(tmp_path):
     """An A/B of a change: per workload a bar per run, a run that lacks a workload left out there."""
-    pytest.importorskip("matplotlib")
     r = {"median_step_ms": 1.5, "host_issue_ms_per_step": 0.7, "step_ms": [1.4, 1.5, 1.6]}
     loop = {"ms_per_decode_step": 1.4, "gpu_busy_ms_per_decode_step": None}  # generate's loop: not a step
     runs = {
