@@ -27,7 +27,8 @@ SCRIPT = textwrap.dedent(
     row = NamedSharding(mesh, P(("dp", "ep")))
     impl = djax.ExpertParallel(mesh, "grouped")
     names = sys.argv[1:]
-    if names[0] == "--slot-writes":  # these 4 rows' decode steps write their rings by slot, not rebuild them
+    slot_writes = names[0] == "--slot-writes"
+    if slot_writes:  # these 4 rows' decode steps write their rings by slot, not rebuild them
         deepseek_v4.SLOT_WRITES_FROM_BATCH = 1
         names = names[1:]
     for name in names:
@@ -60,6 +61,8 @@ SCRIPT = textwrap.dedent(
             err = float(np.abs(np.asarray(got) - np.asarray(ref_logits)).max() / np.abs(np.asarray(ref_logits)).max())
             assert err <= 1e-5, ("kernels ref", err)
 
+        # The projections' rules do not depend on how the rings are written: checked once, without slot writes
+        if name == "tiny-v4" and not slot_writes:
             # FP8 projections (dims multiples of 128) through fp8_quant_gemm's rule (a decode step's few
             # rows): each device quantizes and multiplies its own rows. Three layers: a sliding one, a CSA
             # one and an HCA one, which between them hold every kind of projection
