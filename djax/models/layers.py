@@ -132,9 +132,9 @@ def linear(x: jax.Array, w: jax.Array, fp8: str | None = None) -> jax.Array:
     as DeepSeek's inference runs it: x quantized to e4m3 per row and 128 columns (dynamic 1x128 scales,
     powers of two where the weight's scales are UE8M0, `has_ue8m0_scales`), then the block-scaled FP8
     GEMM, which reads the narrow weight as stored; up to FP8_QUANT_GEMM_MAX_ROWS rows both in one kernel
-    (`fp8_quant_gemm`). A weight `takes_fp8_weight_gemm` accepts (V4.1's 32 x 32 blocks) is read as stored by `fp8_weight_gemm` for up to FP8_WEIGHT_MAX_ROWS rows, x as it is: the
-    dense path's product without the dense copy. Otherwise, and for fp8 None, the weight is made dense in
-    x's dtype first."""
+    (`fp8_quant_gemm`). A weight `takes_fp8_weight_gemm` accepts (V4.1's 32 x 32 blocks) is read as stored
+    by `fp8_weight_gemm` for up to FP8_WEIGHT_MAX_ROWS rows, x as it is: the dense path's product without
+    the dense copy. Otherwise, and for fp8 None, the weight is made dense in x's dtype first."""
     if fp8 is None or not isinstance(w, QArray):
         return jnp.einsum("...i,oi->...o", x, dense(w, x.dtype))
     from djax.kernels import partition  # here: the kernel modules import Triton

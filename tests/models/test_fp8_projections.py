@@ -69,9 +69,9 @@ def test_linear_fp8_ref_matches_numpy(scale_fmt):
 
 @pytest.mark.parametrize("scale_fmt", [None, "ue8m0"])
 def test_linear_quantizes_inside_the_gemm_for_few_rows(scale_fmt, monkeypatch):
-    """UE8M0 and plain weights at up to FP8_QUANT_GEMM_MAX_ROWS rows: one `fp8_quant_gemm` call (the activations quantized in the kernel, with the weight's kind of scale), no
-    separate `fp8_gemm`; more rows take `quantize_act` then `fp8_gemm`. The numbers are the brute force's
-    either way."""
+    """UE8M0 and plain weights at up to FP8_QUANT_GEMM_MAX_ROWS rows: one `fp8_quant_gemm` call (the
+    activations quantized in the kernel, with the weight's kind of scale), no separate `fp8_gemm`; more rows
+    take `quantize_act` then `fp8_gemm`. The numbers are the brute force's either way."""
     calls = []
     for name in ("fp8_quant_gemm", "fp8_gemm"):
         real = getattr(kfp8, name)
